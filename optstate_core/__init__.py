@@ -1,0 +1,17 @@
+"""optstate: optimizer-state virtualization for PyTorch (the public API, nothing else)."""
+from .codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec, IdentityCodec, Int4Codec, Int8Codec,
+                     Int8MomentumCodec, get_codec)
+from .optimizer import VirtualOptimizer
+from .policy import AdaptiveWarmupPolicy, ParamInfo, Policy, WarmupPolicy
+from .presets import (PRESETS, auto_wrap, make_low_memory_policy, make_policy, wrap, wrap_low_memory_adamw,
+                      wrap_max_compression_adamw)
+
+OptimizerWrapper = VirtualOptimizer  # torch-optstate's name
+__version__ = "0.1.0"
+
+__all__ = [
+    "wrap", "auto_wrap", "wrap_low_memory_adamw", "wrap_max_compression_adamw", "make_policy",
+    "make_low_memory_policy", "PRESETS", "VirtualOptimizer", "OptimizerWrapper", "Policy", "WarmupPolicy",
+    "AdaptiveWarmupPolicy", "ParamInfo", "Codec", "EncodedTensor", "FP32Codec", "IdentityCodec", "FP16Codec",
+    "BF16Codec", "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "__version__",
+]

@@ -1,0 +1,216 @@
+"""Checkpoint format (versioned), loading with validation, and plain-torch import/export.
+
+A VirtualOptimizer ``state_dict()`` looks like torch's, plus one key::
+
+    {"state": {param_id: {key: value}}, "param_groups": [...],   # torch's layout, int ids
+     "optstate": {"format_version": 1, "step": int, "policy": {...}, ...}}
+
+where ``value`` is a tensor or number as the inner optimizer made it, or for encoded state::
+
+    {"encoded": {"codec": {...codec config...}, "shape": [..], "dtype": "float32",
+                 "host_tier": bool, "payload": {"codes": uint8 tensor, "scales": fp32 tensor}}}
+
+Only tensors and primitives: loads under ``torch.load(weights_only=True)``. Shapes depend on
+the parameter shapes and codecs only. A dict without the ``optstate`` key is a plain torch
+optimizer state_dict and is imported (then stored as the policy says).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict
+
+import torch
+
+from .codecs import EncodedTensor, codec_from_config
+from .store import ParamState, is_scalar_state
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import VirtualOptimizer
+
+FORMAT_VERSION = 1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"state_dict: unknown dtype {name!r}")
+    return dtype
+
+
+def pack_value(value):
+    if isinstance(value, EncodedTensor):
+        return {"encoded": {"codec": value.codec.config(), "shape": list(value.shape),
+                            "dtype": _dtype_name(value.dtype), "host_tier": value.host_tier,
+                            "payload": dict(value.payload)}}
+    return value
+
+
+def unpack_value(value, what: str):
+    if isinstance(value, dict) and "encoded" in value:
+        spec = value["encoded"]
+        try:
+            codec = codec_from_config(spec["codec"])
+            return EncodedTensor(codec, dict(spec["payload"]), tuple(spec["shape"]), _parse_dtype(spec["dtype"]),
+                                 bool(spec.get("host_tier", False)))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"state_dict: malformed encoded entry for {what}: {e}") from None
+    return value
+
+
+def _group_ids(groups):
+    ids, index = [], 0
+    for g in groups:
+        ids.append(list(range(index, index + len(g["params"]))))
+        index += len(g["params"])
+    return ids
+
+
+def build_state_dict(opt: "VirtualOptimizer") -> dict:
+    for hook in opt._optimizer_state_dict_pre_hooks.values():
+        hook(opt)
+    engine = opt._engine
+    groups, state = [], {}
+    index = 0
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(g["params"])))
+        for p in g["params"]:
+            st = engine.state.get(p)
+            if st:
+                state[index] = {k: pack_value(v) for k, v in st.items()}
+            index += 1
+        groups.append(packed)
+    out = {"state": state, "param_groups": groups,
+           "optstate": {"format_version": FORMAT_VERSION, "step": engine.step_count,
+                        "policy": engine.policy.state_dict(), "seed": engine.seed,
+                        "nonfinite_skipped": engine.nonfinite_skipped_total}}
+    for hook in opt._optimizer_state_dict_post_hooks.values():
+        result = hook(opt, out)
+        if result is not None:
+            out = result
+    return out
+
+
+def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
+    """torch.optim.Optimizer.load_state_dict's casting of one raw state value."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("capturable", False) or group.get("fused", False):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
+
+
+def _check_entry(param, key, value, what: str, elementwise: bool) -> None:
+    if isinstance(value, EncodedTensor):
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"state_dict: {what} state {key!r} has shape {tuple(value.shape)}, "
+                             f"the parameter has shape {tuple(param.shape)}")
+        rows, cols = value.slab
+        for name, (shape, dtype, _) in value.codec.payload_layout(rows, cols, value.dtype).items():
+            t = value.payload.get(name)
+            if t is None or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"state_dict: {what} state {key!r}: payload {name!r} does not match its codec")
+    elif isinstance(value, torch.Tensor) and not is_scalar_state(value) and elementwise:
+        if value.numel() != param.numel():
+            raise ValueError(f"state_dict: {what} state {key!r} has shape {tuple(value.shape)}, "
+                             f"the parameter has shape {tuple(param.shape)}")
+
+
+def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
+    """Validate everything first; then swap the new state in and update groups in place."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("state_dict must be an optimizer state_dict with 'state' and 'param_groups'")
+    state_dict = dict(state_dict)
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    engine = opt._engine
+    groups = opt.param_groups
+    saved_groups = state_dict["param_groups"]
+    meta = state_dict.get("optstate")
+    if meta is not None and meta.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"state_dict: format_version {meta.get('format_version')} is newer than this "
+                         f"optstate ({FORMAT_VERSION}); upgrade optstate to load it")
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer has {len(groups)}")
+    for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(f"state_dict: parameter group {i} has {len(sg['params'])} parameters, "
+                             f"the optimizer's has {len(g['params'])}")
+    id_map, group_of = {}, {}
+    for g, sg in zip(groups, saved_groups):
+        for saved_id, p in zip(sg["params"], g["params"]):
+            id_map[saved_id] = p
+            group_of[saved_id] = g
+
+    new_state: Dict[torch.Tensor, ParamState] = {}
+    for saved_id, entry in state_dict["state"].items():
+        if saved_id not in id_map:
+            raise ValueError(f"state_dict: state for unknown parameter id {saved_id!r}")
+        param = id_map[saved_id]
+        what = f"parameter {saved_id}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"state_dict: state of {what} must be a dict")
+        st = ParamState()
+        for key, value in entry.items():
+            value = unpack_value(value, what)
+            _check_entry(param, key, value, what, engine.elementwise)
+            if isinstance(value, EncodedTensor):
+                value = value.to("cpu") if value.host_tier else value.to(param.device)
+            else:
+                value = _cast_like_torch(param, key, value, group_of[saved_id])
+            st[key] = value
+        new_state[param] = st
+
+    # Everything validated: commit.
+    engine.state.clear()
+    engine.state.update(new_state)
+    for g, sg in zip(groups, saved_groups):
+        g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
+    if meta is not None:
+        engine.step_count = int(meta.get("step", 0))
+        engine.nonfinite_skipped_total = int(meta.get("nonfinite_skipped", 0))
+        engine.policy.load_state_dict(meta.get("policy", {}))
+    else:
+        engine.step_count = _infer_step(new_state)
+    with torch.no_grad():
+        engine.conform()
+    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+        hook(opt)
+
+
+def _infer_step(state) -> int:
+    steps = [int(v.item() if isinstance(v, torch.Tensor) else v)
+             for st in state.values() for k, v in st.items() if k == "step" and v is not None]
+    return max(steps, default=0)
+
+
+def decoded_param_state(st: dict, device) -> dict:
+    return {k: (v.decode(device) if isinstance(v, EncodedTensor) else v) for k, v in st.items()}
+
+
+def export_state_dict(opt: "VirtualOptimizer", device="cpu") -> dict:
+    """A torch-format state_dict with every state decoded (for the unwrapped optimizer)."""
+    engine = opt._engine
+    groups, state, index = [], {}, 0
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(g["params"])))
+        for p in g["params"]:
+            st = engine.state.get(p)
+            if st:
+                state[index] = {k: (v.decode(device) if isinstance(v, EncodedTensor) else
+                                    (v.to(device) if isinstance(v, torch.Tensor) and not is_scalar_state(v) else v))
+                                for k, v in st.items()}
+            index += 1
+        groups.append(packed)
+    return {"state": state, "param_groups": groups}
+

@@ -1,0 +1,126 @@
+"""4-bit blockwise codec: codebook per element, fp32 absmax per block, two codes per byte.
+
+* signed states (momentum): 15 symmetric levels ``0, +-(j/7)**p`` (default ``p = 2``);
+* non-negative states (second moment): ``0`` and ``(j/15)**p`` for ``j = 1..15`` (default
+  ``p = 4``, i.e. a square law in ``sqrt(v)``, spanning ~2e-5 of the block maximum). Code 0 is
+  an exact zero and a nonzero value is never stored as zero; nearest is decided in the log
+  domain (geometric midpoints), the domain in which ``sqrt(v)`` errors matter.
+
+Element ``2i`` of a row goes to the low nibble of byte ``i``, element ``2i + 1`` to the high
+nibble. Encoding is ``bucketize(x / absmax)`` against fixed float32 midpoints; the Triton
+kernel uses the same midpoints and a correctly rounded division, so codes are identical.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import Codec
+from .blocks import expand_scales, finite_absmax, to_blocks
+from .rounding import RoundingContext
+
+
+def int4_levels(signed: bool, power: float) -> torch.Tensor:
+    """The sorted float32 levels (15 signed, 16 unsigned), normalized to max 1."""
+    if signed:
+        mags = (torch.arange(1, 8, dtype=torch.float64) / 7) ** power
+        return torch.cat([-mags.flip(0), torch.zeros(1, dtype=torch.float64), mags]).float()
+    j = torch.arange(0, 16, dtype=torch.float64)
+    return ((j / 15) ** power).float()
+
+
+def int4_midpoints(levels: torch.Tensor, signed: bool) -> torch.Tensor:
+    lv = levels.double()
+    if signed:
+        return ((lv[1:] + lv[:-1]) / 2).float()
+    mids = torch.sqrt(lv[1:] * lv[:-1])
+    mids[0] = 0.0  # any positive value maps to at least the first nonzero level
+    return mids.float()
+
+
+class Int4Codec(Codec):
+    """Blockwise 4-bit state (default block 128 with an fp32 absmax per block)."""
+
+    name = "int4"
+    granularity = 256
+
+    def __init__(self, block_size: int = 128, signed: Optional[bool] = None, stochastic_rounding: bool = False,
+                 power: Optional[float] = None):
+        if block_size <= 1 or 256 % block_size or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 2 dividing 256, got {block_size}")
+        self.block_size = int(block_size)
+        self.signed = signed
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.power = power
+        is_signed = signed is not False
+        self.levels = int4_levels(is_signed, power or (2.0 if is_signed else 4.0))
+        self.midpoints = int4_midpoints(self.levels, is_signed)
+        self._tables = {}
+
+    def config(self):
+        return {"name": self.name, "block_size": self.block_size, "signed": self.signed,
+                "stochastic_rounding": self.stochastic_rounding, "power": self.power}
+
+    def specialize(self, nonnegative):
+        if self.signed is not None:
+            return self
+        return type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.power)
+
+    @property
+    def is_signed(self) -> bool:
+        return self.signed is not False
+
+    def payload_layout(self, rows, cols, dtype=torch.float32):
+        nb = -(-cols // self.block_size)
+        return {"codes": ((rows, (cols + 1) // 2), torch.uint8, 2),
+                "scales": ((rows, nb), torch.float32, self.block_size)}
+
+    def tables(self, device):
+        key = str(device)
+        if key not in self._tables:
+            lut = torch.zeros(16)
+            lut[: len(self.levels)] = self.levels
+            self._tables[key] = (self.levels.to(device), self.midpoints.to(device), lut.to(device))
+        return self._tables[key]
+
+    def codes_of(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
+        """Codes (int64) for normalized values ``y`` in [-1, 1] (finite) or +-inf."""
+        levels, mids, _ = self.tables(y.device)
+        y = torch.nan_to_num(y, nan=0.0).clamp(-1.0, 1.0) if self.is_signed else \
+            torch.nan_to_num(y, nan=0.0).clamp(0.0, 1.0)
+        if rbits is None:
+            return torch.bucketize(y, mids)
+        lo = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
+        l0, l1 = levels[lo], levels[lo + 1]
+        p = (y - l0) / (l1 - l0)
+        u = (rbits >> 8).to(torch.float32) * 2.0 ** -24
+        code = lo + (u < p).to(torch.int64)
+        return code if self.is_signed else torch.where(y > 0, code.clamp_min(1), code)
+
+    def encode_into(self, x, out, rounding=None):
+        rows, cols = x.shape
+        x = x.to(torch.float32)
+        absmax = finite_absmax(to_blocks(x, self.block_size))
+        safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        y = x / expand_scales(safe, self.block_size, cols)
+        rbits = rounding.bits(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
+        codes = self.codes_of(y.contiguous(), rbits).to(torch.uint8)
+        if cols % 2:
+            codes = torch.nn.functional.pad(codes, (0, 1))
+        out["codes"].copy_(codes[:, 0::2] | (codes[:, 1::2] << 4))
+        out["scales"].copy_(absmax)
+
+    def decode_into(self, payload, out):
+        cols = out.shape[1]
+        packed = payload["codes"]
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :cols]
+        lut = self.tables(packed.device)[2]
+        return out.copy_(lut[codes.long()] * expand_scales(payload["scales"], self.block_size, cols))
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_tables"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tables = {}

@@ -1,0 +1,136 @@
+"""8-bit blockwise codec: a tiny float per element, a power-of-two scale per block.
+
+Each block of ``block_size`` elements along a row shares a power-of-two scale ``s`` chosen so
+the block's largest finite magnitude lands in [0.5, 1) after dividing by ``s`` (exact). Each
+element then keeps an 8-bit "minifloat" code, which holds *relative* precision over a wide
+range instead of the fixed absolute step of a linear map:
+
+* signed states (momentum): sign + E4M3 magnitude with subnormals: values down to 2**-18 of
+  the block scale, at most 1/16 relative rounding error above 2**-15;
+* non-negative states (second moment): E5M3, 32 binades (2**-32 of the block scale). Code 0
+  is an exact zero; a nonzero value is never stored as zero (it is raised to the smallest
+  code), so ``m / sqrt(v)`` can never blow up from an underflowed ``v``.
+
+Encoding uses only exact float multiplies and integer operations on float32 bits, so the
+Triton kernel (``kernels/int8_adam.py``) produces bit-identical codes from identical inputs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import Codec
+from .blocks import expand_scales, finite_absmax, pow2_scale, to_blocks
+from .rounding import RoundingContext
+
+
+class MinifloatMap:
+    """An 8-bit code <-> value map in [-1, 1) (signed) or [0, 1) (unsigned)."""
+
+    def __init__(self, signed: bool, exp_bits: int):
+        self.signed = signed
+        self.exp_bits = exp_bits
+        self.man_bits = (7 if signed else 8) - exp_bits
+        if self.man_bits < 1:
+            raise ValueError(f"exp_bits={exp_bits} leaves no mantissa bits")
+        self.bias = 1 << exp_bits  # value = 2**(e - bias) * (1 + f / 2**M)
+        self.max_mag = (1 << (7 if signed else 8)) - 1
+        self.shift = 23 - self.man_bits
+        self.code_offset = (127 - self.bias) << self.man_bits
+        self.sub_mult = 2.0 ** (self.bias - 1 + self.man_bits)  # signed subnormals: value = f / sub_mult
+        self.normal_min = 2.0 ** (1 - self.bias)
+
+    def magnitude_values(self) -> torch.Tensor:
+        m = torch.arange(self.max_mag + 1, dtype=torch.int64)
+        e, f = m >> self.man_bits, m & ((1 << self.man_bits) - 1)
+        normal = torch.ldexp(1 + f.double() / (1 << self.man_bits), (e - self.bias))
+        if self.signed:
+            return torch.where(e == 0, f.double() / self.sub_mult, normal).float()
+        return torch.where(m == 0, torch.zeros((), dtype=torch.float64), normal).float()
+
+    def lut(self) -> torch.Tensor:
+        """256 float32 values indexed by code byte."""
+        mags = self.magnitude_values()
+        if not self.signed:
+            return mags
+        return torch.cat([mags, -mags])
+
+    def encode(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
+        """Codes (int64) for normalized finite-or-inf ``y`` (|y| < 1 for finite values)."""
+        a = torch.nan_to_num(y.abs(), nan=0.0) if self.signed else torch.nan_to_num(y, nan=0.0).clamp_min(0)
+        bits = a.view(torch.int32).to(torch.int64)
+        half = (rbits & ((1 << self.shift) - 1)) if rbits is not None else (1 << (self.shift - 1))
+        normal = ((bits + half) >> self.shift) - self.code_offset
+        if self.signed:
+            u = ((rbits >> 8).to(torch.float32) * 2.0 ** -24) if rbits is not None else 0.5
+            sub = torch.floor(a * self.sub_mult + u).to(torch.int64)
+            mag = torch.where(a >= self.normal_min, normal, sub).clamp(0, self.max_mag)
+            return torch.where((y < 0) & (mag > 0), mag | 0x80, mag)
+        return torch.where(a > 0, normal.clamp(1, self.max_mag), torch.zeros_like(normal))
+
+
+class Int8Codec(Codec):
+    """Blockwise 8-bit state (default block 256, fp32 power-of-two scale per block).
+
+    ``signed=None`` picks the signed map for momentum-like states and the unsigned map for
+    non-negative ones (the policy tells the codec which through :meth:`specialize`).
+    """
+
+    name = "int8"
+    granularity = 256
+
+    def __init__(self, block_size: int = 256, signed: Optional[bool] = None, stochastic_rounding: bool = False,
+                 exp_bits: Optional[int] = None):
+        if block_size <= 0 or 256 % block_size or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two dividing 256, got {block_size}")
+        self.block_size = int(block_size)
+        self.signed = signed
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.exp_bits = exp_bits
+        self.map = MinifloatMap(signed is not False, exp_bits or (4 if signed is not False else 5))
+        self._luts = {}
+
+    def config(self):
+        return {"name": self.name, "block_size": self.block_size, "signed": self.signed,
+                "stochastic_rounding": self.stochastic_rounding, "exp_bits": self.exp_bits}
+
+    def specialize(self, nonnegative):
+        if self.signed is not None:
+            return self
+        return type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.exp_bits)
+
+    def payload_layout(self, rows, cols, dtype=torch.float32):
+        nb = -(-cols // self.block_size)
+        return {"codes": ((rows, cols), torch.uint8, 1), "scales": ((rows, nb), torch.float32, self.block_size)}
+
+    def lut(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._luts:
+            self._luts[key] = self.map.lut().to(device)
+        return self._luts[key]
+
+    def encode_into(self, x, out, rounding=None):
+        rows, cols = x.shape
+        x = x.to(torch.float32)
+        scales = pow2_scale(finite_absmax(to_blocks(x, self.block_size)))
+        y = x * expand_scales(1.0 / scales, self.block_size, cols)  # exact: power-of-two factor
+        rbits = rounding.bits(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
+        out["codes"].copy_(self.map.encode(y.contiguous(), rbits))
+        out["scales"].copy_(scales)
+
+    def decode_into(self, payload, out):
+        cols = out.shape[1]
+        val = self.lut(payload["codes"].device)[payload["codes"].long()]
+        return out.copy_(val * expand_scales(payload["scales"], self.block_size, cols))
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_luts"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._luts = {}
+
+
+class Int8MomentumCodec(Int8Codec):
+    """torch-optstate's name for the int8 codec; here blockwise, and safe for variance too."""

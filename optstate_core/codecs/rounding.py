@@ -1,0 +1,72 @@
+"""Counter-based random bits for stochastic rounding.
+
+A stochastic rounding decision for element ``i`` of a state at optimizer step ``t`` is a pure
+function of ``(seed, t, i)``: reproducible, identical on every rank and after a checkpoint
+resume, and with no random buffer to store. The same arithmetic runs in the Triton kernels
+(``optstate_core.kernels``); all products stay below 2**63 so the torch version can use int64.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_MULT = 0x045D9F3B  # odd, < 2**31: x * _MULT fits in int64 for any 32-bit x
+
+
+def mix32(x: int) -> int:
+    """Scalar 32-bit integer mixer (the same steps as :func:`mix32_tensor`)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _MULT) & MASK32
+    x ^= x >> 16
+    x = (x * _MULT) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise :func:`mix32` on an int64 tensor holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MULT) & MASK32
+    x = x ^ (x >> 16)
+    x = (x * _MULT) & MASK32
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, step: int) -> int:
+    """The per-(state, step) key that every element index is mixed with."""
+    return mix32((seed & MASK32) ^ mix32(step + 0x9E3779B9))
+
+
+def state_seed(base_seed: int, param_index: int, state_key: str) -> int:
+    """A stable seed for one (parameter, state key): independent of process and rank."""
+    return mix32(base_seed ^ zlib.crc32(f"{param_index}:{state_key}".encode()))
+
+
+def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
+    """32 random bits (as int64 in [0, 2**32)) for each element index (int64 tensor)."""
+    lo = index & MASK32
+    hi = mix32_tensor(index >> 32)
+    return mix32_tensor(((lo ^ key) + hi) & MASK32)
+
+
+class RoundingContext:
+    """What a codec needs to round stochastically: a key and the flat index of element (0, 0).
+
+    ``row_stride`` is the element distance between rows of the 2-D slab being encoded, so the
+    index of slab element (r, c) is ``offset + r * row_stride + c`` in the whole tensor.
+    """
+
+    __slots__ = ("key", "offset", "row_stride")
+
+    def __init__(self, key: int, offset: int = 0, row_stride: int = 0):
+        self.key = key
+        self.offset = offset
+        self.row_stride = row_stride
+
+    def bits(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        r = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
+        c = torch.arange(cols, device=device, dtype=torch.int64).unsqueeze(0)
+        return random_bits(self.key, self.offset + r * self.row_stride + c)

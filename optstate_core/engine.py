@@ -1,0 +1,410 @@
+"""The chunked step: materialize a chunk's state, run the inner optimizer on it, commit it.
+
+One step of :class:`~optstate_core.optimizer.VirtualOptimizer` goes through here:
+
+1. ``collect``: every parameter with a gradient, validated before anything changes (a rejected
+   step leaves parameters, state and groups untouched); optionally drop parameters whose
+   gradient holds NaN/inf (one host synchronisation for the whole step).
+2. Parameters whose state is all raw, device-resident and meant to stay so ("passthrough")
+   are stepped by the inner optimizer in one call, on the real tensors: bit-identical to the
+   unwrapped optimizer at its own speed.
+3. The rest is cut into *tiles* (flat element ranges that start on a block boundary; a whole
+   parameter when the optimizer is not elementwise) and packed into chunks of bounded bytes.
+   Per chunk: decode each tile's state into fresh buffers, run the inner optimizer on views of
+   the parameters and gradients, encode the result back with the codec the policy picks now.
+   Tile boundaries never change results (every supported update is elementwise and stochastic
+   rounding is keyed by element index), so results do not depend on chunk size.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from .codecs import EncodedTensor
+from .codecs.rounding import RoundingContext, state_seed, stream_key
+from .policy import ParamInfo, Policy
+from .store import ParamState, StateMap, allocate, copy_scalar, is_scalar_state, matches
+from .transfer import Transfers
+
+log = logging.getLogger("optstate")
+
+#: torch.optim optimizers whose update is elementwise, so a parameter may be stepped in tiles.
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
+    if hasattr(torch.optim, n))
+TILE_GRANULARITY = 256  # every codec's block size divides this
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer):
+    """The optimizer's ``step`` without torch's hook wrapper (our own step fires the hooks once)."""
+    fn = type(optimizer).step
+    if getattr(fn, "hooked", False):
+        fn = fn.__wrapped__
+    return fn
+
+
+def describe_param(info: ParamInfo) -> str:
+    where = f"group {info.group_index}, index {info.index}, shape {tuple(info.shape)}"
+    return f"parameter {info.name!r} ({where})" if info.name else f"parameter ({where})"
+
+
+@dataclass
+class StepMetrics:
+    """Wall-clock (host) milliseconds per phase of the last step and what it moved."""
+
+    materialize_ms: float = 0.0
+    inner_step_ms: float = 0.0
+    commit_ms: float = 0.0
+    total_ms: float = 0.0
+    chunks: int = 0
+    tiles: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    nonfinite_skipped: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Work:
+    """One parameter's share of a step."""
+
+    __slots__ = ("param", "grad", "info", "state", "tiles_left", "dest", "scalars", "new_scalars", "rows", "cols")
+
+    def __init__(self, param, info, state):
+        self.param = param
+        self.grad = param.grad
+        self.info = info
+        self.state: ParamState = state
+        self.rows, self.cols = _slab(param.shape)
+        self.tiles_left = 0
+        self.dest: Dict[str, object] = {}
+        self.scalars = {k: copy_scalar(v) for k, v in state.items() if is_scalar_state(v)}
+        self.new_scalars: Dict[str, object] = {}
+
+
+def _slab(shape):
+    numel = math.prod(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    return rows, (numel // rows if rows else 0)
+
+
+@dataclass
+class Tile:
+    """A flat element range ``[start, stop)`` of one parameter, as a 2-D slab region."""
+
+    work: Work
+    start: int
+    stop: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    whole: bool
+    tensor: Optional[torch.Tensor] = None
+    states: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def slab_shape(self):
+        return (self.r1 - self.r0, self.c1 - self.c0)
+
+
+class Engine:
+    """Holds the state mapping and runs steps for one wrapped optimizer."""
+
+    def __init__(self, inner: torch.optim.Optimizer, policy: Policy, *, chunk_bytes: int, chunk_size: Optional[int],
+                 initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
+                 elementwise: Optional[bool], names: Dict[int, str]):
+        self.inner = inner
+        self.policy = policy
+        self.state = StateMap()
+        self.step_count = 0
+        self.chunk_bytes = chunk_bytes
+        self.chunk_size = chunk_size
+        self.initial_chunk_size = initial_chunk_size
+        self.pin_memory = pin_memory
+        self.skip_nonfinite = skip_nonfinite
+        self.seed = seed
+        self.elementwise = isinstance(inner, ELEMENTWISE) if elementwise is None else bool(elementwise)
+        self.names = names
+        self.transfers = Transfers()
+        self.metrics = StepMetrics()
+        self.nonfinite_skipped_total = 0
+
+    # -- the parameters, as they are now ------------------------------------------------------
+    def param_infos(self):
+        """``(param, ParamInfo)`` for every parameter of the live groups, in checkpoint order."""
+        index = 0
+        for gi, group in enumerate(self.inner.param_groups):
+            names = group.get("param_names")
+            for j, p in enumerate(group["params"]):
+                name = names[j] if names and j < len(names) else self.names.get(id(p))
+                yield p, ParamInfo(index, gi, tuple(p.shape), p.dtype, name)
+                index += 1
+
+    def collect(self) -> List[Work]:
+        """Validate every gradient, then return the work of this step (nothing changed yet)."""
+        works = []
+        for p, info in self.param_infos():
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse or g.layout != torch.strided:
+                raise ValueError(f"{describe_param(info)} has a sparse gradient; optstate keeps dense state only. "
+                                 "Step it with an unwrapped optimizer that supports sparse gradients.")
+            if g.shape != p.shape:
+                raise ValueError(f"{describe_param(info)} has a gradient of shape {tuple(g.shape)}")
+            if g.is_complex() != p.is_complex():
+                raise ValueError(f"{describe_param(info)}: gradient and parameter disagree on being complex")
+            works.append(Work(p, info, self.state[p] if p in self.state else ParamState()))
+        if self.skip_nonfinite and works:
+            works = self._drop_nonfinite(works)
+        return works
+
+    def _drop_nonfinite(self, works: List[Work]) -> List[Work]:
+        by_device: Dict[torch.device, List[int]] = {}
+        for i, w in enumerate(works):
+            by_device.setdefault(w.grad.device, []).append(i)
+        finite = [True] * len(works)
+        for idx in by_device.values():
+            norms = torch._foreach_norm([works[i].grad for i in idx], float("inf"))
+            ok = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()  # the step's one sync
+            for i, flag in zip(idx, ok):
+                finite[i] = flag
+        kept = [w for w, ok in zip(works, finite) if ok]
+        skipped = len(works) - len(kept)
+        if skipped:
+            self.nonfinite_skipped_total += skipped
+            names = ", ".join(describe_param(w.info) for w, ok in zip(works, finite) if not ok)
+            log.warning("step %d: non-finite gradient, update skipped for %s", self.step_count, names)
+        self.metrics.nonfinite_skipped = skipped
+        return kept
+
+    # -- a step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self.metrics = StepMetrics()
+        self.transfers.reset()
+        works = self.collect()
+        passthrough, tiled = [], []
+        for w in works:
+            (tiled if self._needs_tiles(w) else passthrough).append(w)
+        if passthrough:
+            t = time.perf_counter()
+            self._run_inner([(w.param, w.state, w.info.group_index) for w in passthrough], use_real_state=True)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        if tiled:
+            self._run_tiled(tiled, update=True)
+        self.step_count += 1
+        self.metrics.h2d_bytes = self.transfers.h2d_bytes
+        self.metrics.d2h_bytes = self.transfers.d2h_bytes
+        self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+
+    def _needs_tiles(self, w: Work) -> bool:
+        tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v)}
+        if not tensors:
+            return self.policy.may_compress(w.info, self.step_count)
+        for key, value in tensors.items():
+            if isinstance(value, EncodedTensor):
+                return True
+            codec = self.policy.codec_for(w.info, key, self.step_count)
+            host = self.policy.tier_for(w.info, key, self.step_count) == "host"
+            if not matches(value, codec, host, w.param.device):
+                return True
+        return False
+
+    def _run_inner(self, items, use_real_state: bool) -> None:
+        """Run the inner optimizer's own update on ``(tensor, state dict, group index)`` items.
+
+        The inner optimizer sees shadow copies of the live groups (same hyper-parameters, only
+        these tensors), so the shared group dicts are never modified.
+        """
+        inner = self.inner
+        groups_by_index: Dict[int, List[torch.Tensor]] = {}
+        for tensor, _, gi in items:
+            groups_by_index.setdefault(gi, []).append(tensor)
+        shadow = [dict(inner.param_groups[gi], params=ts) for gi, ts in groups_by_index.items()]
+        saved_groups, saved_state = inner.param_groups, inner.state
+        tmp_state = self.state if use_real_state else _TileState()
+        if not use_real_state:
+            for tensor, state, _ in items:
+                tmp_state[tensor] = state
+        try:
+            inner.param_groups = shadow
+            inner.state = tmp_state
+            unhooked_step(inner)(inner)
+        finally:
+            inner.param_groups = saved_groups
+            inner.state = saved_state
+
+    # -- tiles and chunks ------------------------------------------------------------------------
+    def _tiles_of(self, w: Work, max_elems: int) -> List[Tile]:
+        p = w.param
+        numel, rows, cols = p.numel(), w.rows, w.cols
+        tileable = self.elementwise and p.is_contiguous() and all(
+            is_scalar_state(v) or (tuple(v.shape) == tuple(p.shape) and
+                                   (isinstance(v, EncodedTensor) or v.is_contiguous()))
+            for v in w.state.values())
+        if not tileable or numel <= max_elems:
+            return [Tile(w, 0, numel, 0, rows, 0, cols, whole=True)]
+        tiles = []
+        if cols <= max_elems:
+            per = max(1, max_elems // cols)
+            for r in range(0, rows, per):
+                r1 = min(rows, r + per)
+                tiles.append(Tile(w, r * cols, r1 * cols, r, r1, 0, cols, whole=False))
+        else:
+            width = max(TILE_GRANULARITY, max_elems // TILE_GRANULARITY * TILE_GRANULARITY)
+            for r in range(rows):
+                for c in range(0, cols, width):
+                    c1 = min(cols, c + width)
+                    tiles.append(Tile(w, r * cols + c, r * cols + c1, r, r + 1, c, c1, whole=False))
+        return tiles
+
+    def _chunks(self, works: List[Work]):
+        n_keys = max([sum(1 for v in w.state.values() if not is_scalar_state(v)) for w in works] + [2])
+        max_elems = max(TILE_GRANULARITY, self.chunk_bytes // (4 * n_keys))
+        max_count = self.chunk_size
+        if self.step_count == 0 and self.initial_chunk_size:
+            first_count = self.initial_chunk_size
+        else:
+            first_count = max_count
+        chunk, used = [], 0
+        for w in works:
+            tiles = self._tiles_of(w, max_elems)
+            w.tiles_left = len(tiles)
+            for tile in tiles:
+                limit = first_count if not self.metrics.chunks else max_count
+                if chunk and (used + tile.numel > max_elems or (limit and len(chunk) >= limit)):
+                    yield chunk
+                    self.metrics.chunks += 1
+                    chunk, used = [], 0
+                chunk.append(tile)
+                used += tile.numel
+        if chunk:
+            self.metrics.chunks += 1
+            yield chunk
+
+    def _run_tiled(self, works: List[Work], update: bool) -> None:
+        for chunk in self._chunks(works):
+            t0 = time.perf_counter()
+            for tile in chunk:
+                self._materialize(tile)
+            t1 = time.perf_counter()
+            if update:
+                self._run_inner([(t.tensor, t.states, t.work.info.group_index) for t in chunk],
+                                use_real_state=False)
+            t2 = time.perf_counter()
+            for tile in chunk:
+                self._commit(tile)
+            t3 = time.perf_counter()
+            self.metrics.materialize_ms += (t1 - t0) * 1e3
+            self.metrics.inner_step_ms += (t2 - t1) * 1e3
+            self.metrics.commit_ms += (t3 - t2) * 1e3
+            self.metrics.tiles += len(chunk)
+
+    def _materialize(self, tile: Tile) -> None:
+        w, p = tile.work, tile.work.param
+        if tile.whole:
+            tile.tensor = p
+        else:
+            tile.tensor = p.detach().view(-1)[tile.start:tile.stop]
+            if w.grad is not None:
+                tile.tensor.grad = w.grad.reshape(-1)[tile.start:tile.stop]
+        states = {}
+        for key, value in w.state.items():
+            if is_scalar_state(value):
+                states[key] = copy_scalar(w.scalars[key])
+            elif isinstance(value, EncodedTensor):
+                states[key] = self._decode_tile(value, tile, p.device)
+            else:
+                if value.device != p.device:
+                    value = w.state[key] = value.to(p.device)
+                states[key] = value if tile.whole else value.view(-1)[tile.start:tile.stop]
+        tile.states = states
+
+    def _decode_tile(self, enc: EncodedTensor, tile: Tile, device) -> torch.Tensor:
+        shape = enc.shape if tile.whole else (tile.numel,)
+        out = torch.empty(shape, dtype=enc.dtype, device=device)
+        if tile.numel:
+            payload = enc.codec.slice_payload(enc.payload, slice(tile.r0, tile.r1), tile.c0, tile.c1, tile.work.cols)
+            enc.codec.decode_into(self.transfers.fetch(payload, device), out.view(tile.slab_shape))
+        return out
+
+    def _commit(self, tile: Tile) -> None:
+        w = tile.work
+        step = self.step_count
+        for key, value in tile.states.items():
+            if is_scalar_state(value):
+                w.new_scalars.setdefault(key, value)
+                continue
+            dest = w.dest.get(key)
+            if dest is None:
+                dest = w.dest[key] = self._destination(w, key, value)
+            if isinstance(dest, torch.Tensor):
+                target = dest if tile.whole else dest.view(-1)[tile.start:tile.stop]
+                if target.data_ptr() != value.data_ptr():
+                    target.copy_(value.reshape(target.shape))
+            elif tile.numel:
+                self._encode_tile(dest, tile, key, value, step)
+        tile.states = {}
+        tile.tensor = None
+        w.tiles_left -= 1
+        if w.tiles_left == 0:
+            w.state.update(w.new_scalars)
+            w.state.update(w.dest)
+            self.state[w.param] = w.state
+
+    def _destination(self, w: Work, key: str, value: torch.Tensor):
+        codec = self.policy.codec_for(w.info, key, self.step_count)
+        host = self.policy.tier_for(w.info, key, self.step_count) == "host"
+        current = w.state.get(key)
+        if current is not None and matches(current, codec, host, w.param.device):
+            return current
+        pin = self.pin_memory if self.pin_memory is not None else w.param.device.type == "cuda"
+        return allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin)
+
+    def _encode_tile(self, dest: EncodedTensor, tile: Tile, key: str, value: torch.Tensor, step: int) -> None:
+        codec = dest.codec
+        view = codec.slice_payload(dest.payload, slice(tile.r0, tile.r1), tile.c0, tile.c1, tile.work.cols)
+        rounding = None
+        if codec.stochastic_rounding:
+            seed = state_seed(self.seed, tile.work.info.index, key)
+            rounding = RoundingContext(stream_key(seed, step), tile.start, tile.work.cols)
+        x = value.reshape(tile.slab_shape)
+        if dest.host_tier and x.device.type != "cpu":
+            staged = {k: torch.empty_like(v, device=x.device) for k, v in view.items()}
+            codec.encode_into(x, staged, rounding)
+            self.transfers.put(staged, view)
+        else:
+            codec.encode_into(x, view, rounding)
+
+    # -- whole-state conversions (load, offload/reload) -----------------------------------------
+    def conform(self, params=None) -> None:
+        """Re-store state in the form the policy wants now (no update), tile by tile."""
+        wanted = None if params is None else {id(p) for p in params}
+        works = []
+        for p, info in self.param_infos():
+            if p in self.state and (wanted is None or id(p) in wanted):
+                w = Work(p, info, self.state[p])
+                if any(not is_scalar_state(v) for v in w.state.values()) and self._needs_tiles(w):
+                    works.append(w)
+        if works:
+            self._run_tiled(works, update=False)
+
+
+class _TileState(dict):
+    """The inner optimizer's view of state during a tiled chunk (defaultdict-like, like torch)."""
+
+    def __missing__(self, key):
+        value = self[key] = {}
+        return value

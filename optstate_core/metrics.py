@@ -1,0 +1,60 @@
+"""Memory report and step metrics: the one place that computes bits per parameter."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict
+
+from .codecs import EncodedTensor
+from .store import is_scalar_state, state_nbytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import VirtualOptimizer
+
+
+def bits_per_param(state_bytes: int, n_params: int) -> float:
+    """Optimizer bytes held between steps x 8 / parameter count (all optimized parameters)."""
+    return 8.0 * state_bytes / n_params if n_params else 0.0
+
+
+def memory_report(opt: "VirtualOptimizer") -> dict:
+    """What the optimizer holds between steps, per tier and per codec, and the last step's costs.
+
+    Keys: ``device_bytes``, ``host_bytes``, ``state_bytes`` (their sum), ``by_codec`` (bytes per
+    codec name, ``fp32`` for raw state), ``n_params``, ``bits_per_param``, ``step``,
+    ``compression_active``, ``nonfinite_skipped``, and ``last_step`` (materialize / inner step /
+    commit / total milliseconds, chunks, tiles, bytes moved host->device and device->host).
+    """
+    engine = opt._engine
+    device_bytes = host_bytes = 0
+    by_codec: Dict[str, int] = {}
+    n_params = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            n_params += p.numel()
+            for value in engine.state.get(p, {}).values():
+                nbytes = 0 if is_scalar_state(value) else state_nbytes(value)
+                if not nbytes:
+                    continue
+                if isinstance(value, EncodedTensor):
+                    name = value.codec.name
+                    host = value.host_tier or value.device.type == "cpu" and p.device.type != "cpu"
+                else:
+                    name = "fp32" if value.is_floating_point() else str(value.dtype)
+                    host = value.device.type == "cpu" and p.device.type != "cpu"
+                by_codec[name] = by_codec.get(name, 0) + nbytes
+                if host:
+                    host_bytes += nbytes
+                else:
+                    device_bytes += nbytes
+    state_bytes = device_bytes + host_bytes
+    return {
+        "device_bytes": device_bytes,
+        "host_bytes": host_bytes,
+        "state_bytes": state_bytes,
+        "by_codec": by_codec,
+        "n_params": n_params,
+        "bits_per_param": bits_per_param(state_bytes, n_params),
+        "step": engine.step_count,
+        "compression_active": engine.policy.active(engine.step_count),
+        "nonfinite_skipped": engine.nonfinite_skipped_total,
+        "last_step": engine.metrics.as_dict(),
+    }

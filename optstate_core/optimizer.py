@@ -1,0 +1,184 @@
+"""VirtualOptimizer: any torch optimizer, with its state compressed and/or offloaded."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from . import checkpoint, metrics
+from .engine import Engine
+from .policy import Policy, default_policy, named_parameter_names
+from .units import parse_bytes
+
+log = logging.getLogger("optstate")
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+def _check_optional_int(name: str, value, minimum: int = 1) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+    return value
+
+
+class VirtualOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer``; keeps its state in the form ``policy`` chooses between steps.
+
+    It *is* a ``torch.optim.Optimizer`` that shares the inner optimizer's ``param_groups``
+    (the same list of the same dicts) and ``defaults``, so LR schedulers, GradScaler,
+    Accelerate and Lightning see a single optimizer. ``step(closure)`` runs the closure once
+    (under ``torch.enable_grad()``), updates, and returns the closure's value.
+
+    Options:
+        chunk_bytes: bound on the full-precision state materialized at once during ``step``
+            (an int or a string such as ``"64MB"``; default 64 MiB). Large parameters are
+            stepped in tiles so the bound holds for any tensor size.
+        chunk_size: at most this many tiles per chunk (torch-optstate's count of parameters).
+        initial_chunk_size: a smaller count for the first chunk of the first step.
+        chunk_size_on_cuda: torch-optstate compatibility: ``chunk_size`` when params are on CUDA.
+        pin_memory: pin host-tier state (default: when parameters are on CUDA).
+        skip_nonfinite: if a parameter's gradient holds NaN/inf, leave that parameter and its
+            state untouched and count the event (default True). ``False`` behaves like torch.
+        seed: seed of the counter-based hash used by stochastic rounding.
+        elementwise: whether the inner update is elementwise (tiles allowed). Default: known
+            for torch.optim's elementwise optimizers, False for any other optimizer.
+        named_parameters: ``model.named_parameters()`` or the model, for name-based rules and
+            messages.
+        profile: accepted for torch-optstate compatibility (timings are always collected).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, *,
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, chunk_size: Optional[int] = None,
+                 initial_chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = None,
+                 pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, seed: int = 0,
+                 elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False):
+        if isinstance(optimizer, VirtualOptimizer):
+            raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("optimizer: LBFGS re-evaluates the closure inside step() and keeps global "
+                             "(not per-parameter) state; it cannot be wrapped")
+        if policy is None:
+            policy = default_policy()
+        if not isinstance(policy, Policy):
+            raise ValueError(f"policy must be an optstate_core.Policy, got {type(policy).__name__}")
+        chunk_bytes = parse_bytes(chunk_bytes, "chunk_bytes")
+        chunk_size = _check_optional_int("chunk_size", chunk_size)
+        initial_chunk_size = _check_optional_int("initial_chunk_size", initial_chunk_size)
+        chunk_size_on_cuda = _check_optional_int("chunk_size_on_cuda", chunk_size_on_cuda)
+        if pin_memory not in (None, True, False):
+            raise ValueError(f"pin_memory must be None, True or False, got {pin_memory!r}")
+        if skip_nonfinite not in (True, False):
+            raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if elementwise not in (None, True, False):
+            raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
+        if chunk_size is None and chunk_size_on_cuda is not None and any(
+                p.is_cuda for g in optimizer.param_groups for p in g["params"]):
+            chunk_size = chunk_size_on_cuda
+        names = named_parameter_names(named_parameters) if named_parameters is not None else {}
+        if names and hasattr(policy, "bind_names"):
+            policy.bind_names((n, p) for g in optimizer.param_groups for p in g["params"]
+                              for n in [names.get(id(p))] if n is not None)
+
+        engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
+                        initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
+                        skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names)
+        existing = dict(optimizer.state)
+        self._engine = None  # add_param_group below must not touch the inner groups
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        # Share the inner optimizer's list of group dicts and its defaults: one optimizer.
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.optimizer = optimizer
+        self._engine = engine
+        self.state = engine.state
+        optimizer.state = engine.state
+        if existing:  # state made before wrapping: adopt it, then store it as the policy says
+            engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
+            with torch.no_grad():
+                engine.conform()
+
+    # -- torch.optim.Optimizer API -------------------------------------------------------------
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimizer step; the closure (if any) runs once, with gradients enabled."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._engine
+        if loss is not None and engine.policy.wants_loss:
+            engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+        with torch.no_grad():
+            engine.step()
+        engine.inner._opt_called = True  # a scheduler built on the inner optimizer must not warn
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        engine = self.__dict__.get("_engine")
+        if engine is None:  # called by Optimizer.__init__ with the inner's groups: shared, not copied
+            return
+        engine.inner.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        """Encoded state (tensors and primitives only), torch's group format, a format version."""
+        return checkpoint.build_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load our own format or a plain torch optimizer state_dict (migration)."""
+        checkpoint.load_state_dict(self, state_dict)
+
+    def export_state_dict(self, device="cpu") -> dict:
+        """A plain torch state_dict (decoded state) that the unwrapped optimizer can load."""
+        return checkpoint.export_state_dict(self, device=device)
+
+    def train(self, mode: bool = True):
+        fn = getattr(self._engine.inner, "train" if mode else "eval", None)
+        if callable(fn):
+            fn()
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- optstate API ---------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self._engine.policy
+
+    @property
+    def step_count(self) -> int:
+        return self._engine.step_count
+
+    @property
+    def last_step_timings(self) -> dict:
+        return self._engine.metrics.as_dict()
+
+    def memory_report(self) -> dict:
+        """Bytes held per tier and per codec, bits/param, and the last step's timings."""
+        return metrics.memory_report(self)
+
+    def observe_loss(self, loss) -> None:
+        """Feed a training loss to the policy (AdaptiveWarmupPolicy switches on a plateau)."""
+        self._engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+
+    def get_state(self, param: torch.Tensor) -> dict:
+        """The decoded (full-precision) state of one parameter, as the inner optimizer sees it."""
+        return checkpoint.decoded_param_state(self._engine.state.get(param, {}), param.device)
+
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+
+    def __repr__(self) -> str:
+        return f"VirtualOptimizer({self._engine.inner!r}, policy={self._engine.policy.describe()})"

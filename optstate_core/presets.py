@@ -1,0 +1,93 @@
+"""Named presets and the helper constructors (``wrap``, ``auto_wrap``, ``wrap_*_adamw``).
+
+``PRESETS`` is the one table of preset names; the integrations expose these names
+(``optstate_adamw`` = ``default``, ``optstate_adamw_8bit`` = ``8bit``, ...).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+
+from .codecs import Codec
+from .optimizer import VirtualOptimizer
+from .policy import Policy, WarmupPolicy
+
+#: preset name -> WarmupPolicy arguments
+PRESETS = {
+    "fp32": dict(warmup_steps=0, momentum_codec="fp32", variance_codec="fp32"),
+    "bf16": dict(warmup_steps=0, momentum_codec="bf16", variance_codec="bf16"),
+    "8bit": dict(warmup_steps=0, momentum_codec="int8", variance_codec="int8"),
+    "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec="int4"),
+    "offload": dict(warmup_steps=0, momentum_codec="int8", variance_codec="int8", device_resident=False),
+}
+PRESETS["default"] = PRESETS["8bit"]
+PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
+
+
+def make_policy(preset: str = "default", **overrides) -> WarmupPolicy:
+    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden."""
+    name = PRESET_ALIASES.get(preset, preset)
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    return WarmupPolicy(**{**PRESETS[name], **overrides})
+
+
+def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = None, **options) -> VirtualOptimizer:
+    """Wrap any torch optimizer. ``policy``: a Policy, a preset name, or None (the default preset).
+    ``options`` are :class:`VirtualOptimizer`'s (chunk_bytes, chunk_size, pin_memory, ...)."""
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    return VirtualOptimizer(optimizer, policy, **options)
+
+
+def auto_wrap(optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, chunk_size: Optional[int] = None,
+              chunk_size_on_cuda: Optional[int] = None, initial_chunk_size: Optional[int] = None,
+              pin_memory: Optional[bool] = None, profile: bool = False, **options) -> VirtualOptimizer:
+    """One call with sensible defaults: int8 momentum and second moment, on the parameters'
+    device, small tensors uncompressed, chunks bounded in bytes."""
+    return VirtualOptimizer(optimizer, policy or make_policy("default"), chunk_size=chunk_size,
+                            chunk_size_on_cuda=chunk_size_on_cuda, initial_chunk_size=initial_chunk_size,
+                            pin_memory=pin_memory, profile=profile, **options)
+
+
+VARIANCE_MODES = ("fp16", "int8", "int8_variance", "int8_all", "int4", "bf16", "fp32")
+
+
+def make_low_memory_policy(warmup_steps: int = 10, variance_mode: str = "fp16", momentum_key: str = "exp_avg",
+                           variance_key: str = "exp_avg_sq", min_int8_elements: int = 4096,
+                           small_tensor_codec: Optional[Codec] = None,
+                           device_resident: Optional[bool] = None) -> WarmupPolicy:
+    """int8 momentum; the second moment as ``variance_mode`` says (torch-optstate's helper)."""
+    if variance_mode not in VARIANCE_MODES:
+        raise ValueError(f"variance_mode must be one of {', '.join(VARIANCE_MODES)}; got {variance_mode!r}")
+    variance = "int8" if variance_mode.startswith("int8") else variance_mode
+    return WarmupPolicy(warmup_steps=warmup_steps, momentum_key=momentum_key, variance_key=variance_key,
+                        variance_codec=variance, min_int8_elements=min_int8_elements,
+                        small_tensor_codec=small_tensor_codec, device_resident=device_resident)
+
+
+def wrap_low_memory_adamw(params: Iterable, lr: float = 1e-3, weight_decay: float = 0.01, warmup_steps: int = 10,
+                          variance_mode: str = "fp16", chunk_size: Optional[int] = 32,
+                          initial_chunk_size: Optional[int] = 1, pin_memory: Optional[bool] = None,
+                          min_int8_elements: int = 4096, small_tensor_codec: Optional[Codec] = None,
+                          device_resident: Optional[bool] = None, chunk_size_on_cuda: Optional[int] = None,
+                          **adamw_kwargs) -> VirtualOptimizer:
+    """AdamW with int8 momentum and a block-scaled fp16 (never underflowing) second moment."""
+    policy = make_low_memory_policy(warmup_steps, variance_mode, min_int8_elements=min_int8_elements,
+                                    small_tensor_codec=small_tensor_codec, device_resident=device_resident)
+    return VirtualOptimizer(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **adamw_kwargs), policy,
+                            chunk_size=chunk_size, initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
+                            chunk_size_on_cuda=chunk_size_on_cuda)
+
+
+def wrap_max_compression_adamw(params: Iterable, lr: float = 1e-3, weight_decay: float = 0.01,
+                               chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = 256,
+                               initial_chunk_size: Optional[int] = 1, pin_memory: Optional[bool] = None,
+                               device_resident: Optional[bool] = None, **adamw_kwargs) -> VirtualOptimizer:
+    """AdamW with 4-bit momentum and second moment for every tensor, from the first step."""
+    policy = WarmupPolicy(warmup_steps=0, momentum_codec="int4", variance_codec="int4", min_int8_elements=0,
+                          device_resident=device_resident)
+    return VirtualOptimizer(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **adamw_kwargs), policy,
+                            chunk_size=chunk_size, chunk_size_on_cuda=chunk_size_on_cuda,
+                            initial_chunk_size=initial_chunk_size, pin_memory=pin_memory)

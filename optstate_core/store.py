@@ -1,0 +1,82 @@
+"""Where encoded state lives: the ``optimizer.state`` mapping, tiers, and tile-sized moves.
+
+``optimizer.state[p]`` is a plain dict per parameter whose values are what the inner optimizer
+made (``step`` counters, scalars), raw tensors (uncompressed, device-resident state), or
+:class:`~optstate_core.codecs.EncodedTensor` (compressed and/or offloaded state). Nothing else
+holds optimizer state, so the mapping is also what checkpoints and frameworks see.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .codecs import Codec, EncodedTensor
+from .transfer import Transfers
+
+StateValue = Union[torch.Tensor, EncodedTensor, int, float]
+
+
+class ParamState(dict):
+    """The state of one parameter: ``{key: tensor | EncodedTensor | number}``."""
+
+
+class StateMap(dict):
+    """``optimizer.state``: parameter -> :class:`ParamState` (created on first access, like torch)."""
+
+    def __missing__(self, param):
+        value = self[param] = ParamState()
+        return value
+
+
+def is_scalar_state(value) -> bool:
+    """Step counters and other per-parameter scalars: never encoded, never tiled."""
+    if isinstance(value, EncodedTensor):
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 or not (value.is_floating_point() or value.is_complex())
+    return True
+
+
+def copy_scalar(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def matches(current, codec: Codec, host: bool, device: torch.device) -> bool:
+    """Whether a stored value already has the target codec and tier."""
+    if isinstance(current, EncodedTensor):
+        return current.codec == codec and current.host_tier == host and (host or current.device == device)
+    if isinstance(current, torch.Tensor):
+        return codec.lossless and not host and current.device == device
+    return False
+
+
+def allocate(codec: Codec, shape, dtype: torch.dtype, device: torch.device, host: bool,
+             pin_memory: bool) -> Union[torch.Tensor, EncodedTensor]:
+    """Empty storage for one state in its target form (raw tensor only for device fp32)."""
+    if codec.lossless and not host:
+        return torch.empty(shape, dtype=dtype, device=device)
+    rows_cols = EncodedTensor(codec, {}, shape, dtype).slab
+    where = torch.device("cpu") if host else device
+    payload = codec.empty(*rows_cols, where, dtype, pin_memory=(host and pin_memory))
+    return EncodedTensor(codec, payload, shape, dtype, host_tier=host)
+
+
+def state_nbytes(value) -> int:
+    if isinstance(value, EncodedTensor):
+        return value.nbytes
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0
+
+
+def value_tier(value) -> Optional[str]:
+    if isinstance(value, EncodedTensor):
+        return "host" if value.host_tier else "device"
+    if isinstance(value, torch.Tensor):
+        return "device"
+    return None
+
+
+__all__ = ["ParamState", "StateMap", "is_scalar_state", "copy_scalar", "matches", "allocate", "state_nbytes",
+           "value_tier", "Transfers"]

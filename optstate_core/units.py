@@ -1,0 +1,33 @@
+"""Parsing of byte sizes given as numbers or strings ("64MB", "2GiB", "0.5GB")."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_bytes(value, arg: str) -> int:
+    """A positive byte count from an int or a string such as ``"64MB"``; errors name ``arg``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{arg} must be a byte count such as 67108864 or '64MB', got {value!r}")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{arg} must be a byte count such as 67108864 or '64MB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{arg} must be a byte count such as 67108864 or '64MB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{arg} must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Quick start on a fresh machine (only Python 3 and pip needed).
+
+    python3 quickstart.py demo   # the main job: train a small LM with AdamW vs optstate presets (CPU)
+    python3 quickstart.py test   # the whole test suite
+
+The first run creates ./.venv and installs the CPU build of torch 2.13.0 and this project with
+its dev extra; later runs reuse it. Extra arguments go to the demo / to pytest.
+"""
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = Path(os.environ.get("OPTSTATE_VENV", ROOT / ".venv"))
+TORCH = os.environ.get("OPTSTATE_TORCH", "torch==2.13.0")
+
+
+def venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def ensure_env() -> Path:
+    py = venv_python()
+    stamp = VENV / ".optstate-stamp"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
+    if py.exists() and stamp.exists() and stamp.read_text() == want:
+        return py
+    if not py.exists():
+        print(f"[quickstart] creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    print(f"[quickstart] installing {TORCH} (CPU) and optstate[dev]", flush=True)
+    subprocess.check_call(pip + [TORCH])
+    subprocess.check_call(pip + ["-e", f"{ROOT}[dev]"])
+    stamp.write_text(want)
+    return py
+
+
+def main(argv) -> int:
+    if not argv or argv[0] not in ("demo", "test"):
+        print(__doc__)
+        return 2
+    py = str(ensure_env())
+    if argv[0] == "demo":
+        return subprocess.call([py, "-m", "optstate_core", "demo", *argv[1:]], cwd=ROOT)
+    code = subprocess.call([py, "-m", "pytest", *argv[1:]], cwd=ROOT)
+    if code == 5:
+        print("[quickstart] pytest collected no tests: treating that as a failure", flush=True)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

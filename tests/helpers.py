@@ -1,0 +1,51 @@
+"""Small models and data shared by the tests (CPU, seeded, no downloads)."""
+from __future__ import annotations
+
+import torch
+
+
+def mlp(seed: int = 0, width: int = 64, depth: int = 2, n_in: int = 32, n_out: int = 8) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers, d = [], n_in
+    for _ in range(depth):
+        layers += [torch.nn.Linear(d, width), torch.nn.GELU()]
+        d = width
+    layers.append(torch.nn.Linear(d, n_out))
+    return torch.nn.Sequential(*layers)
+
+
+def batch(seed: int = 1, n: int = 64, n_in: int = 32, n_out: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, n_in, generator=g), torch.randint(0, n_out, (n,), generator=g)
+
+
+def train_steps(model, opt, steps: int, seed: int = 1, closure: bool = False):
+    """Train on a fixed stream of batches; returns the list of losses."""
+    losses = []
+    for s in range(steps):
+        x, y = batch(seed + s)
+
+        def fn():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        if closure:
+            loss = opt.step(fn)
+        else:
+            loss = fn()
+            opt.step()
+        losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+    return losses
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def two_groups(model, lr=1e-3, wd=0.1):
+    """Weight matrices with weight decay, biases without (HF-Trainer-like grouping)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2}]
