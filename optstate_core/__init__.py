@@ -3,7 +3,7 @@ from .codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec, Iden
                      Int8MomentumCodec, get_codec)
 from .optimizer import VirtualOptimizer
 from .policy import AdaptiveWarmupPolicy, ParamInfo, Policy, WarmupPolicy
-from .presets import (PRESETS, auto_wrap, make_low_memory_policy, make_policy, wrap, wrap_low_memory_adamw,
+from .presets import (PRESETS, OptStateAdamW, auto_wrap, make_low_memory_policy, make_policy, wrap, wrap_low_memory_adamw,
                       wrap_max_compression_adamw)
 
 OptimizerWrapper = VirtualOptimizer  # torch-optstate's name
@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "wrap", "auto_wrap", "wrap_low_memory_adamw", "wrap_max_compression_adamw", "make_policy",
-    "make_low_memory_policy", "PRESETS", "VirtualOptimizer", "OptimizerWrapper", "Policy", "WarmupPolicy",
+    "make_low_memory_policy", "PRESETS", "OptStateAdamW", "VirtualOptimizer", "OptimizerWrapper", "Policy", "WarmupPolicy",
     "AdaptiveWarmupPolicy", "ParamInfo", "Codec", "EncodedTensor", "FP32Codec", "IdentityCodec", "FP16Codec",
     "BF16Codec", "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "__version__",
 ]

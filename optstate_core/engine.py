@@ -71,6 +71,25 @@ class StepMetrics:
         return dict(self.__dict__)
 
 
+class StepBoundary:
+    """Whether the next backward ends in an optimizer step (set by integrations, or read from a
+    bound callable such as Accelerate's ``sync_gradients``). Default: every backward steps."""
+
+    def __init__(self):
+        self.flag = True
+        self.source = None
+
+    def set(self, will_step: bool) -> None:
+        self.flag = will_step
+
+    @property
+    def will_step(self) -> bool:
+        return bool(self.source()) if self.source is not None else self.flag
+
+    def __getstate__(self):
+        return {"flag": self.flag, "source": None}
+
+
 class Work:
     """One parameter's share of a step."""
 
@@ -137,6 +156,7 @@ class Engine:
         self.elementwise = isinstance(inner, ELEMENTWISE) if elementwise is None else bool(elementwise)
         self.names = names
         self.transfers = Transfers()
+        self.boundary = StepBoundary()
         self.metrics = StepMetrics()
         self.nonfinite_skipped_total = 0
 

@@ -58,3 +58,18 @@ def memory_report(opt: "VirtualOptimizer") -> dict:
         "nonfinite_skipped": engine.nonfinite_skipped_total,
         "last_step": engine.metrics.as_dict(),
     }
+
+
+def log_metrics(opt: "VirtualOptimizer", prefix: str = "optstate/") -> Dict[str, float]:
+    """A flat dict of floats for loggers (TensorBoard, W&B, Lightning's ``self.log``, ...)."""
+    report = memory_report(opt)
+    last = report["last_step"]
+    return {
+        f"{prefix}state_mb_device": report["device_bytes"] / 2**20,
+        f"{prefix}state_mb_host": report["host_bytes"] / 2**20,
+        f"{prefix}bits_per_param": report["bits_per_param"],
+        f"{prefix}step_ms": last["total_ms"],
+        f"{prefix}overhead_ms": max(0.0, last["total_ms"] - last["inner_step_ms"]),
+        f"{prefix}compression_active": float(report["compression_active"]),
+        f"{prefix}nonfinite_skipped": float(report["nonfinite_skipped"]),
+    }

@@ -166,6 +166,22 @@ class VirtualOptimizer(torch.optim.Optimizer):
         """Bytes held per tier and per codec, bits/param, and the last step's timings."""
         return metrics.memory_report(self)
 
+    def log_metrics(self, prefix: str = "optstate/") -> dict:
+        """Flat float metrics for loggers: state MB per tier, bits/param, step and overhead ms."""
+        return metrics.log_metrics(self, prefix)
+
+    def set_step_boundary(self, will_step: bool) -> None:
+        """Tell the engine whether the coming backward ends in an optimizer step (the last
+        micro-batch of a gradient-accumulation window) or not. Backward-time prefetch of
+        offloaded state only runs before a step. Integrations call this for you."""
+        self._engine.boundary.set(bool(will_step))
+
+    def bind_step_boundary(self, source: Optional[Callable[[], bool]]) -> None:
+        """Read the step boundary from ``source()`` instead (e.g. Accelerate's ``sync_gradients``)."""
+        if source is not None and not callable(source):
+            raise ValueError("source must be a callable returning bool, or None")
+        self._engine.boundary.source = source
+
     def observe_loss(self, loss) -> None:
         """Feed a training loss to the policy (AdaptiveWarmupPolicy switches on a plateau)."""
         self._engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))

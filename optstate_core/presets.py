@@ -51,6 +51,27 @@ def auto_wrap(optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None,
                             pin_memory=pin_memory, profile=profile, **options)
 
 
+class OptStateAdamW(VirtualOptimizer):
+    """``torch.optim.AdamW`` built from ``params`` and wrapped with a preset, in one class.
+
+    For frameworks that instantiate an optimizer class as ``cls(params, **kwargs)`` (the HF
+    Trainer, Lightning CLI). ``preset`` is a name from :data:`PRESETS`, ``policy_options``
+    override the preset's :class:`WarmupPolicy` arguments, ``wrap_options`` go to
+    :class:`VirtualOptimizer`.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, preset: str = "default", policy: Optional[Policy] = None,
+                 policy_options: Optional[dict] = None, wrap_options: Optional[dict] = None, **adamw_kwargs):
+        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                  **adamw_kwargs)
+        if policy is None:
+            policy = make_policy(preset, **(policy_options or {}))
+        elif policy_options:
+            raise ValueError("policy_options can only be given with a preset, not with policy")
+        super().__init__(inner, policy, **(wrap_options or {}))
+
+
 VARIANCE_MODES = ("fp16", "int8", "int8_variance", "int8_all", "int4", "bf16", "fp32")
 
 

@@ -1,0 +1,243 @@
+"""Optimizer-step microbenchmark: ``optstate bench`` (also ``python -m optstate_core bench``).
+
+Builds fp32 parameters in Llama-1B shapes (``--scale`` shrinks every dimension), gives them
+random gradients, and times ``step()`` for each configuration in one process: state
+bits/param (bytes the optimizer holds between steps x 8 / parameters), median step ms, the
+ratio to ``torch.optim.AdamW(fused=True)`` measured in the same run, and the peak extra memory
+during ``step()``. Offloaded configurations also print their PCIe floor (encoded bytes up and
+down over the measured pinned bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+log = logging.getLogger("optstate")
+
+LLAMA_1B = dict(vocab=32000, hidden=2048, ffn=5632, layers=22)
+
+
+def llama_shapes(scale: float = 1.0, layers: Optional[int] = None):
+    """Parameter shapes of a Llama-1B-like model (embedding, per layer 4 attn + 3 MLP + 2 norms,
+    final norm, lm_head); every dimension multiplied by ``scale`` (rounded to 256)."""
+    def dim(n):
+        return max(256, int(round(n * scale / 256)) * 256)
+    v, h, f = dim(LLAMA_1B["vocab"]), dim(LLAMA_1B["hidden"]), dim(LLAMA_1B["ffn"])
+    shapes = [(v, h)]
+    for _ in range(layers if layers is not None else LLAMA_1B["layers"]):
+        shapes += [(h, h)] * 4 + [(f, h)] * 3 + [(h,), (h,)]
+    return shapes + [(h,), (v, h)]
+
+
+@dataclass
+class Config:
+    name: str
+    build: Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer]
+    offloaded: bool = False
+
+
+def _wrapped(preset: str, **options):
+    def build(params):
+        from .presets import make_policy, wrap
+        inner = torch.optim.AdamW(params, fused=params[0].is_cuda or None)
+        return wrap(inner, make_policy(preset), **options)
+    return build
+
+
+def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict[str, Config]:
+    fused = device.type == "cuda"
+    out = {
+        "torch AdamW fused" if fused else "torch AdamW foreach":
+            Config("adamw", lambda ps: torch.optim.AdamW(ps, fused=fused or None, foreach=None if fused else True)),
+        "optstate fp32": Config("fp32", _wrapped("fp32")),
+        "optstate bf16": Config("bf16", _wrapped("bf16")),
+        "optstate int8": Config("int8", _wrapped("8bit")),
+        "optstate 4bit": Config("4bit", _wrapped("4bit")),
+        "optstate int8 offloaded": Config("int8_offload", _wrapped("offload"), offloaded=True),
+    }
+    if compare:
+        out.update(_third_party(device))
+    return out
+
+
+def _third_party(device) -> Dict[str, Config]:
+    out = {}
+    try:
+        import bitsandbytes as bnb  # noqa: F401
+        out["bitsandbytes AdamW8bit"] = Config("bnb8", lambda ps: bnb.optim.AdamW8bit(ps))
+        out["bitsandbytes PagedAdamW8bit"] = Config("bnb_paged8", lambda ps: bnb.optim.PagedAdamW8bit(ps))
+    except Exception as e:  # not installed or no GPU build
+        log.info("bitsandbytes not available: %s", e)
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+        out["torchao AdamW8bit"] = Config("ao8", lambda ps: AdamW8bit(ps))
+        out["torchao AdamW4bit"] = Config("ao4", lambda ps: AdamW4bit(ps))
+    except Exception as e:
+        log.info("torchao not available: %s", e)
+    return out
+
+
+def _state_bytes(opt) -> int:
+    if hasattr(opt, "memory_report"):
+        return opt.memory_report()["device_bytes"]
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                total += _tensor_bytes(v)
+    return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is not None:  # tensor subclasses (torchao): count their inner tensors
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pinned_bandwidth(device, nbytes: int = 2**28) -> float:
+    """Measured pinned host<->device bandwidth (bytes/s, mean of both directions)."""
+    if device.type != "cuda":
+        return float("nan")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        _sync(device)
+        times.append((time.perf_counter() - t) / 5)
+    return nbytes / (sum(times) / 2)
+
+
+def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 0) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    n = sum(p.numel() for p in params)
+    opt = cfg.build(params)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    for _ in range(warmup):
+        opt.step()
+    _sync(device)
+    held = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else _state_bytes(opt)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            opt.step()
+            times.append((time.perf_counter() - t) * 1e3)
+    peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else float("nan")
+    encoded = opt.memory_report()["state_bytes"] if hasattr(opt, "memory_report") else None
+    del opt, params
+    gc.collect()
+    return {"n_params": n, "bits_per_param": 8.0 * held / n, "step_ms": statistics.median(times),
+            "peak_extra_bytes": peak, "encoded_bytes": encoded}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scale", type=float, default=None,
+                        help="multiply every Llama-1B dimension by this (default: 1.0 on CUDA, 0.125 on CPU)")
+    parser.add_argument("--layers", type=int, default=None, help="number of layers (default: 22)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per configuration")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated subset of configuration short names (adamw,fp32,bf16,int8,4bit,"
+                             "int8_offload; with --compare also bnb8,bnb_paged8,ao8,ao4)")
+    parser.add_argument("--compare", action="store_true", help="add bitsandbytes / torchao when installed")
+    parser.add_argument("--budget-fraction", type=float, default=1 / 16,
+                        help="gpu_budget for budgeted configurations, as a fraction of fp32 AdamW state")
+
+
+def run(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else 0.125)
+    shapes = llama_shapes(scale, args.layers)
+    table = configs(device, args.compare, args.budget_fraction)
+    if args.configs:
+        wanted = set(args.configs.split(","))
+        table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
+    bandwidth = pinned_bandwidth(device)
+    rows = []
+    for label, cfg in table.items():
+        log.info("bench: %s", label)
+        try:
+            r = bench_one(cfg, shapes, device, args.steps, args.warmup)
+        except Exception as e:  # keep the table going; report the failure in its row
+            log.warning("bench: %s failed: %s", label, e)
+            rows.append((label, cfg, None))
+            continue
+        rows.append((label, cfg, r))
+    print_table(rows, device, bandwidth)
+    return 0
+
+
+def print_table(rows, device, bandwidth) -> None:
+    ref = next((r for _, c, r in rows if c.name == "adamw" and r), None)
+    n = next((r["n_params"] for _, _, r in rows if r), 0)
+    print(f"\noptimizer step, {n / 1e9:.3f}B fp32 params, device {_device_name(device)}, "
+          f"torch {torch.__version__}")
+    head = f"| {'configuration':<30} | state bits/param | step ms | x {'fused' if device.type == 'cuda' else 'foreach'}" \
+           f" | peak extra MB | PCIe floor ms |"
+    print(head)
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    for label, cfg, r in rows:
+        if r is None:
+            print(f"| {label:<30} | failed | | | | |")
+            continue
+        ratio = r["step_ms"] / ref["step_ms"] if ref else float("nan")
+        floor = ""
+        if cfg.offloaded and r["encoded_bytes"] and bandwidth == bandwidth:
+            floor = f"{2 * r['encoded_bytes'] / bandwidth * 1e3:.1f}"
+        peak = "" if r["peak_extra_bytes"] != r["peak_extra_bytes"] else f"{r['peak_extra_bytes'] / 2**20:.0f}"
+        print(f"| {label:<30} | {r['bits_per_param']:15.2f} | {r['step_ms']:7.2f} | {ratio:7.2f} | {peak:>13} |"
+              f" {floor:>13} |")
+    if bandwidth == bandwidth:
+        print(f"pinned host<->device bandwidth: {bandwidth / 1e9:.1f} GB/s")
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="optstate bench", description=__doc__)
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
