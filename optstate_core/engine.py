@@ -66,6 +66,7 @@ class StepMetrics:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     nonfinite_skipped: int = 0
+    peak_materialized_bytes: int = 0  # largest full-precision state decoded at once (one chunk)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -193,7 +194,8 @@ class Engine:
     def _drop_nonfinite(self, works: List[Work]) -> List[Work]:
         by_device: Dict[torch.device, List[int]] = {}
         for i, w in enumerate(works):
-            by_device.setdefault(w.grad.device, []).append(i)
+            if w.grad.numel():
+                by_device.setdefault(w.grad.device, []).append(i)
         finite = [True] * len(works)
         for idx in by_device.values():
             norms = torch._foreach_norm([works[i].grad for i in idx], float("inf"))
@@ -324,6 +326,8 @@ class Engine:
                 self._run_inner([(t.tensor, t.states, t.work.info.group_index) for t in chunk],
                                 use_real_state=False)
             t2 = time.perf_counter()
+            materialized = sum(_materialized_bytes(tile) for tile in chunk)
+            self.metrics.peak_materialized_bytes = max(self.metrics.peak_materialized_bytes, materialized)
             for tile in chunk:
                 self._commit(tile)
             t3 = time.perf_counter()
@@ -333,6 +337,7 @@ class Engine:
             self.metrics.tiles += len(chunk)
 
     def _materialize(self, tile: Tile) -> None:
+        """Build the tile's parameter/gradient views and its full-precision state."""
         w, p = tile.work, tile.work.param
         if tile.whole:
             tile.tensor = p
@@ -420,6 +425,20 @@ class Engine:
                     works.append(w)
         if works:
             self._run_tiled(works, update=False)
+
+
+def _materialized_bytes(tile: Tile) -> int:
+    """Bytes of full-precision state a tile holds beyond the stored state (fresh buffers)."""
+    total = 0
+    for key, value in tile.states.items():
+        if is_scalar_state(value):
+            continue
+        stored = tile.work.state.get(key)
+        if isinstance(stored, torch.Tensor) and \
+                value.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+            continue
+        total += value.numel() * value.element_size()
+    return total
 
 
 class _TileState(dict):

@@ -70,13 +70,13 @@ class VirtualOptimizer(torch.optim.Optimizer):
         chunk_size = _check_optional_int("chunk_size", chunk_size)
         initial_chunk_size = _check_optional_int("initial_chunk_size", initial_chunk_size)
         chunk_size_on_cuda = _check_optional_int("chunk_size_on_cuda", chunk_size_on_cuda)
-        if pin_memory not in (None, True, False):
+        if pin_memory is not None and not isinstance(pin_memory, bool):
             raise ValueError(f"pin_memory must be None, True or False, got {pin_memory!r}")
-        if skip_nonfinite not in (True, False):
+        if not isinstance(skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        if elementwise not in (None, True, False):
+        if elementwise is not None and not isinstance(elementwise, bool):
             raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
         if chunk_size is None and chunk_size_on_cuda is not None and any(
                 p.is_cuda for g in optimizer.param_groups for p in g["params"]):

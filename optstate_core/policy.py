@@ -125,7 +125,7 @@ class WarmupPolicy(Policy):
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not isinstance(min_int8_elements, int) or min_int8_elements < 0:
             raise ValueError(f"min_int8_elements must be an int >= 0, got {min_int8_elements!r}")
-        if device_resident not in (None, True, False):
+        if device_resident is not None and not isinstance(device_resident, bool):
             raise ValueError(f"device_resident must be None, True or False, got {device_resident!r}")
         for arg, key in (("momentum_key", momentum_key), ("variance_key", variance_key)):
             if not isinstance(key, str) or not key:

@@ -66,6 +66,7 @@ class BF16Codec(Codec):
 
 FP16_TOP = 2.0 ** 15  # a block's largest |value| is stored in [2**14, 2**15)
 FP16_MIN_SUBNORMAL = 2.0 ** -24
+FP16_MAX = 65504.0
 
 
 class FP16Codec(Codec):
@@ -105,6 +106,7 @@ class FP16Codec(Codec):
         x = x.to(torch.float32)
         scales = pow2_scale(finite_absmax(to_blocks(x, self.block_size))) / FP16_TOP
         y = x / expand_scales(scales, self.block_size, cols)  # exact: power-of-two divisor
+        y = torch.nan_to_num(y, nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX)  # as the int codecs: no NaN/inf codes
         if self.stochastic_rounding and rounding is not None:
             y = _stochastic_fp16(y, rounding)
         data = y.to(torch.float16)

@@ -1,0 +1,155 @@
+"""Codecs against a float64 reference, with the error bounds each one guarantees."""
+import math
+
+import pytest
+import torch
+
+import optstate_core as oc
+from optstate_core.codecs.int4 import int4_levels
+from optstate_core.codecs.rounding import RoundingContext
+
+
+def heavy_tailed(rows=64, cols=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, cols, generator=g) * 1.5)
+
+
+def block_max(x, block):
+    rows, cols = x.shape
+    pad = -cols % block
+    xb = torch.nn.functional.pad(x.abs(), (0, pad)).reshape(rows, -1, block).amax(-1)
+    return xb.repeat_interleave(block, 1)[:, :cols]
+
+
+def pow2_scale(x, block):
+    m = block_max(x, block)
+    return torch.exp2(torch.floor(torch.log2(m)) + 1)
+
+
+def test_fp32_is_identity():
+    x = heavy_tailed().double()
+    assert torch.equal(oc.FP32Codec().encode(x).decode(), x)
+
+
+def test_bf16_relative_error():
+    x = heavy_tailed().double()
+    d = oc.BF16Codec().encode(x.float()).decode().double()
+    assert ((d - x).abs() <= 2.0 ** -8 * x.abs()).all()
+
+
+def test_fp16_block_scaled_relative_error():
+    x = heavy_tailed().double()
+    d = oc.FP16Codec().encode(x.float()).decode().double()
+    big = x.abs() >= block_max(x, 256) * 2.0 ** -20  # above fp16's normal range after scaling
+    assert ((d - x).abs() <= 2.0 ** -10 * x.abs())[big].all()
+
+
+def test_int8_signed_bounds():
+    x = heavy_tailed().double()
+    codec = oc.Int8Codec().specialize(nonnegative=False)
+    enc = codec.encode(x.float())
+    d = enc.decode().double()
+    s = pow2_scale(x, 256)
+    normal = x.abs() >= s * 2.0 ** -15
+    assert ((d - x).abs() <= x.abs() / 15)[normal].all()  # minifloat: relative precision
+    assert ((d - x).abs() <= s * 2.0 ** -19)[~normal].all()  # subnormal steps of 2**-18 * s
+    assert (torch.sign(d) == torch.sign(x))[d != 0].all()
+    assert enc.nbytes * 8 / x.numel() < 8.14
+
+
+def test_int8_unsigned_never_zero_and_relative():
+    v = heavy_tailed().double() ** 2 * 1e-8
+    v[0, :10] = 0.0
+    d = oc.Int8Codec().specialize(nonnegative=True).encode(v.float()).decode().double()
+    assert torch.equal(d[0, :10], torch.zeros(10, dtype=torch.float64))  # a true zero has its own code
+    assert ((d > 0) == (v > 0)).all()  # nonzero never becomes zero
+    s = pow2_scale(v, 256)
+    in_range = v >= s * 2.0 ** -31  # the lowest binade gives up its first code to the exact zero
+    assert ((d - v).abs() <= v / 15)[in_range].all()
+    lowest = (v > 0) & ~in_range
+    assert ((d - v).abs() <= v / 8)[lowest & (v >= s * 2.0 ** -32)].all()
+
+
+def test_int4_signed_bound():
+    x = heavy_tailed().double()
+    codec = oc.Int4Codec().specialize(nonnegative=False)
+    d = codec.encode(x.float()).decode().double()
+    levels = int4_levels(True, 2.0).double()
+    half_gap = (levels[1:] - levels[:-1]).max() / 2
+    assert ((d - x).abs() <= half_gap * block_max(x, 128) * (1 + 1e-6)).all()
+    assert codec.encode(x.float()).nbytes * 8 / x.numel() < 4.3
+
+
+def test_int4_unsigned_log_bound_and_never_zero():
+    v = heavy_tailed(seed=3).double().abs() * 1e-6
+    codec = oc.Int4Codec().specialize(nonnegative=True)
+    d = codec.encode(v.float()).decode().double()
+    assert ((d > 0) == (v > 0)).all()
+    levels = int4_levels(False, 4.0).double()
+    max_ratio = (levels[2:] / levels[1:-1]).max()  # widest geometric gap between nonzero levels
+    m = block_max(v, 128)
+    in_range = v >= m * levels[1]
+    ratio = (d / v)[in_range]
+    assert (ratio <= max_ratio.sqrt() * (1 + 1e-5)).all() and (ratio >= 1 / max_ratio.sqrt() / (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("codec", [oc.Int8Codec(), oc.Int4Codec(), oc.FP16Codec()], ids=lambda c: c.name)
+def test_nonfinite_does_not_spread(codec):
+    x = heavy_tailed(rows=2, cols=512)
+    x[0, 3], x[0, 7], x[1, 5] = float("nan"), float("inf"), float("-inf")
+    codec = codec.specialize(nonnegative=False)
+    d = codec.encode(x).decode()
+    finite = torch.isfinite(x)
+    ref = codec.encode(torch.where(finite, x, torch.zeros_like(x))).decode()
+    assert torch.equal(d[finite], ref[finite])  # the rest of each block is unaffected
+    assert torch.isfinite(d).all()
+
+
+@pytest.mark.parametrize("codec", [oc.FP16Codec(), oc.Int8Codec(), oc.Int4Codec()], ids=lambda c: c.name)
+def test_second_moment_does_not_underflow(codec):
+    v = torch.full((1, 4096), 1e-10)
+    v[0, ::7] = 1e-4  # large values in the same blocks
+    assert (v.half() == 0).any()  # what plain fp16 does
+    d = codec.specialize(nonnegative=True).encode(v).decode()
+    assert (d > 0).all()
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4"])
+def test_stochastic_rounding_unbiased_and_reproducible(name):
+    codec = oc.get_codec(name, stochastic_rounding=True).specialize(nonnegative=False)
+    x = (torch.rand(1, 256 * 64) - 0.5)
+    x[0, ::256] = 1.0  # fix every block's scale
+    n = 200
+    mean = sum(codec.encode(x, RoundingContext(k * 7919 + 13, 0, 0)).decode() for k in range(n)) / n
+    bias = (mean - x).abs().mean()
+    plain = oc.get_codec(name).specialize(nonnegative=False).encode(x).decode()
+    assert bias < 0.25 * (plain - x).abs().mean()  # unbiased on average, unlike nearest's error
+    a = codec.encode(x, RoundingContext(5, 0, 0))
+    b = codec.encode(x, RoundingContext(5, 0, 0))
+    c = codec.encode(x, RoundingContext(6, 0, 0))
+    key = "codes" if "codes" in a.payload else "data"
+    assert torch.equal(a.payload[key], b.payload[key])
+    assert not torch.equal(a.payload[key], c.payload[key])
+
+
+def test_decode_encode_is_idempotent():
+    x = heavy_tailed()
+    for codec in (oc.Int8Codec().specialize(False), oc.Int4Codec().specialize(False),
+                  oc.Int8Codec().specialize(True), oc.Int4Codec().specialize(True)):
+        src = x.abs() if codec.signed is False else x
+        e1 = codec.encode(src)
+        e2 = codec.encode(e1.decode())
+        assert all(torch.equal(e1.payload[k], e2.payload[k]) for k in e1.payload)
+
+
+def test_unknown_codec_name():
+    with pytest.raises(ValueError, match="unknown codec 'int7'"):
+        oc.get_codec("int7")
+    with pytest.raises(ValueError, match="block_size"):
+        oc.Int8Codec(block_size=100)
+
+
+def test_get_codec_aliases():
+    assert oc.get_codec("8bit").name == "int8"
+    assert oc.get_codec("4bit").name == "int4"
+    assert oc.get_codec("none").lossless
