@@ -39,3 +39,12 @@ def pow2_scale(absmax: torch.Tensor) -> torch.Tensor:
 def expand_scales(scales: torch.Tensor, block: int, cols: int) -> torch.Tensor:
     """``[rows, n_blocks]`` -> ``[rows, cols]``: each block's scale repeated over its columns."""
     return scales.repeat_interleave(block, dim=1)[:, :cols]
+
+
+def scale_blocks(x: torch.Tensor, factors: torch.Tensor, block: int) -> torch.Tensor:
+    """``x * factor`` with one factor per block of ``x`` ([rows, cols]); no copy of the factors
+    when the rows hold whole blocks."""
+    rows, cols = x.shape
+    if cols % block == 0:
+        return (x.reshape(rows, -1, block) * factors.unsqueeze(-1)).reshape(rows, cols)
+    return x * expand_scales(factors, block, cols)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .base import Codec, Payload
-from .blocks import expand_scales, finite_absmax, from_blocks, pow2_scale, to_blocks
+from .blocks import finite_absmax, pow2_scale, scale_blocks, to_blocks
 from .rounding import RoundingContext
 
 
@@ -105,7 +105,7 @@ class FP16Codec(Codec):
         rows, cols = x.shape
         x = x.to(torch.float32)
         scales = pow2_scale(finite_absmax(to_blocks(x, self.block_size))) / FP16_TOP
-        y = x / expand_scales(scales, self.block_size, cols)  # exact: power-of-two divisor
+        y = scale_blocks(x, 1.0 / scales, self.block_size)  # exact: power-of-two factor
         y = torch.nan_to_num(y, nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX)  # as the int codecs: no NaN/inf codes
         if self.stochastic_rounding and rounding is not None:
             y = _stochastic_fp16(y, rounding)
@@ -117,9 +117,7 @@ class FP16Codec(Codec):
         out["data"].copy_(data)
 
     def decode_into(self, payload, out):
-        cols = out.shape[1]
-        val = payload["data"].to(torch.float32) * expand_scales(payload["scales"], self.block_size, cols)
-        return out.copy_(val)
+        return out.copy_(scale_blocks(payload["data"].to(torch.float32), payload["scales"], self.block_size))
 
 
 def _stochastic_fp16(y: torch.Tensor, rounding: RoundingContext) -> torch.Tensor:

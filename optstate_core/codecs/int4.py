@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .base import Codec
-from .blocks import expand_scales, finite_absmax, to_blocks
+from .blocks import finite_absmax, scale_blocks, to_blocks
 from .rounding import RoundingContext
 
 
@@ -37,6 +37,14 @@ def int4_midpoints(levels: torch.Tensor, signed: bool) -> torch.Tensor:
     mids = torch.sqrt(lv[1:] * lv[:-1])
     mids[0] = 0.0  # any positive value maps to at least the first nonzero level
     return mids.float()
+
+
+def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
+    """``x / absmax`` per block, a correctly rounded division (the kernel uses div_rn too)."""
+    rows, cols = x.shape
+    if cols % block == 0:
+        return (x.reshape(rows, -1, block) / absmax.unsqueeze(-1)).reshape(rows, cols)
+    return x / absmax.repeat_interleave(block, dim=1)[:, :cols]
 
 
 class Int4Codec(Codec):
@@ -103,7 +111,7 @@ class Int4Codec(Codec):
         x = x.to(torch.float32)
         absmax = finite_absmax(to_blocks(x, self.block_size))
         safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        y = x / expand_scales(safe, self.block_size, cols)
+        y = _divide_blocks(x, safe, self.block_size)
         rbits = rounding.bits(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
         codes = self.codes_of(y.contiguous(), rbits).to(torch.uint8)
         if cols % 2:
@@ -116,7 +124,7 @@ class Int4Codec(Codec):
         packed = payload["codes"]
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :cols]
         lut = self.tables(packed.device)[2]
-        return out.copy_(lut[codes.long()] * expand_scales(payload["scales"], self.block_size, cols))
+        return out.copy_(scale_blocks(lut[codes.long()], payload["scales"], self.block_size))
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_tables"}

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .base import Codec
-from .blocks import expand_scales, finite_absmax, pow2_scale, to_blocks
+from .blocks import finite_absmax, pow2_scale, scale_blocks, to_blocks
 from .rounding import RoundingContext
 
 
@@ -57,17 +57,20 @@ class MinifloatMap:
         return torch.cat([mags, -mags])
 
     def encode(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
-        """Codes (int64) for normalized finite-or-inf ``y`` (|y| < 1 for finite values)."""
+        """Codes (int32) for normalized finite-or-inf ``y`` (|y| < 1 for finite values)."""
         a = torch.nan_to_num(y.abs(), nan=0.0) if self.signed else torch.nan_to_num(y, nan=0.0).clamp_min(0)
-        bits = a.view(torch.int32).to(torch.int64)
-        half = (rbits & ((1 << self.shift) - 1)) if rbits is not None else (1 << (self.shift - 1))
+        bits = a.view(torch.int32)  # + rounding bits stays below 2**31 for every finite or inf a
+        if rbits is not None:
+            half = (rbits & ((1 << self.shift) - 1)).to(torch.int32)
+        else:
+            half = 1 << (self.shift - 1)
         normal = ((bits + half) >> self.shift) - self.code_offset
         if self.signed:
             u = ((rbits >> 8).to(torch.float32) * 2.0 ** -24) if rbits is not None else 0.5
-            sub = torch.floor(a * self.sub_mult + u).to(torch.int64)
-            mag = torch.where(a >= self.normal_min, normal, sub).clamp(0, self.max_mag)
+            sub = torch.floor(a * self.sub_mult + u).to(torch.int32)
+            mag = torch.where(a >= self.normal_min, normal, sub).clamp_(0, self.max_mag)
             return torch.where((y < 0) & (mag > 0), mag | 0x80, mag)
-        return torch.where(a > 0, normal.clamp(1, self.max_mag), torch.zeros_like(normal))
+        return torch.where(a > 0, normal.clamp_(1, self.max_mag), 0)
 
 
 class Int8Codec(Codec):
@@ -114,7 +117,7 @@ class Int8Codec(Codec):
         rows, cols = x.shape
         x = x.to(torch.float32)
         scales = pow2_scale(finite_absmax(to_blocks(x, self.block_size)))
-        y = x * expand_scales(1.0 / scales, self.block_size, cols)  # exact: power-of-two factor
+        y = scale_blocks(x, 1.0 / scales, self.block_size)  # exact: power-of-two factor
         rbits = rounding.bits(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
         out["codes"].copy_(self.map.encode(y.contiguous(), rbits))
         out["scales"].copy_(scales)
@@ -122,7 +125,7 @@ class Int8Codec(Codec):
     def decode_into(self, payload, out):
         cols = out.shape[1]
         val = self.lut(payload["codes"].device)[payload["codes"].long()]
-        return out.copy_(val * expand_scales(payload["scales"], self.block_size, cols))
+        return out.copy_(scale_blocks(val, payload["scales"], self.block_size))
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_luts"}
