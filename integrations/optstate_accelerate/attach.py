@@ -1,0 +1,100 @@
+"""The prepared-optimizer hook: bind a VirtualOptimizer to an Accelerator's gradient state."""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Optional
+
+import optstate_core as oc
+
+from .metrics import log_metrics
+from .prepared import check_accelerator, unwrap_optimizer
+
+log = logging.getLogger("optstate.accelerate")
+
+_attachments: "weakref.WeakKeyDictionary[oc.VirtualOptimizer, Attachment]" = weakref.WeakKeyDictionary()
+
+
+class SyncGradients:
+    """``source()`` for :meth:`VirtualOptimizer.bind_step_boundary`: Accelerate's ``sync_gradients``.
+
+    ``Accelerator.accumulate`` sets it on entry, before the micro-batch's forward and backward,
+    to whether that micro-batch ends in an optimizer step (the last of a window, or the last
+    batch of a prepared dataloader); outside ``accumulate`` it stays True. The GradientState is a
+    process-wide shared state, so the value is the one the AcceleratedOptimizer will act on.
+    """
+
+    def __init__(self, gradient_state):
+        self.gradient_state = gradient_state
+
+    def __call__(self) -> bool:
+        # After GradientState._reset_state() the shared dict is empty until the next Accelerator.
+        return bool(getattr(self.gradient_state, "sync_gradients", True))
+
+
+class Attachment:
+    """What :func:`attach` set up on one optimizer; :meth:`detach` undoes it."""
+
+    def __init__(self, accelerator, optimizer: oc.VirtualOptimizer, log_every: Optional[int], prefix: str):
+        self.accelerator = accelerator
+        self.optimizer = optimizer
+        self.log_every = log_every
+        self.prefix = prefix
+        self.source = SyncGradients(accelerator.gradient_state)
+        self._hook = None
+
+    def _install(self) -> None:
+        self.optimizer.bind_step_boundary(self.source)
+        if self.log_every is not None:
+            self._hook = self.optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self.accelerator is not None and self.optimizer.step_count % self.log_every == 0:
+            log_metrics(self.accelerator, self.optimizer, prefix=self.prefix)
+
+    def detach(self) -> None:
+        """Unbind the step boundary and stop logging (the optimizer keeps working as before)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if _attachments.get(self.optimizer) is self:
+            self.optimizer.bind_step_boundary(None)
+            del _attachments[self.optimizer]
+
+    def __getstate__(self):
+        # A copied or unpickled optimizer carries this hook: keep it inert, without the accelerator.
+        return dict(self.__dict__, accelerator=None, _hook=None)
+
+    def __repr__(self) -> str:
+        return f"Attachment(log_every={self.log_every}, prefix={self.prefix!r})"
+
+
+def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: str = "optstate/") -> Attachment:
+    """Make a (prepared) optstate optimizer follow ``accelerator``; call once after ``prepare``.
+
+    - The optimizer reads its step boundary from ``accelerator.gradient_state.sync_gradients``,
+      so backward-time prefetch of offloaded state runs only on micro-batches that end in an
+      optimizer step under ``accelerator.accumulate(model)``.
+    - With ``log_every=N``, :func:`log_metrics` runs after every N-th optimizer step (skipped
+      steps, e.g. fp16 overflow, do not count), with ``step=`` the optimizer's step count.
+
+    Attaching again replaces the previous attachment of the same optimizer. Returns an
+    :class:`Attachment` whose ``detach()`` undoes both.
+    """
+    check_accelerator(accelerator)
+    vopt = unwrap_optimizer(optimizer)
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise ValueError(f"log_every must be None or an int >= 1, got {log_every!r}")
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a string, got {type(prefix).__name__}")
+    previous = _attachments.get(vopt)
+    if previous is not None:
+        previous.detach()
+    attachment = Attachment(accelerator, vopt, log_every, prefix)
+    attachment._install()
+    _attachments[vopt] = attachment
+    log.debug("attached %s to the accelerator (log_every=%s)", type(vopt).__name__, log_every)
+    return attachment
+
+
+__all__ = ["attach", "Attachment", "SyncGradients"]
