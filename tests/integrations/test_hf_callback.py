@@ -53,9 +53,10 @@ def test_offload_metrics_count_host_bytes(tmp_path):
     trainer.train()
     last = [h for h in trainer.state.log_history if "loss" in h][-1]
     opt = optstate_hf.find_virtual_optimizer(trainer.optimizer)
-    # on CPU-only runs host-tier state is reported on the host
+    # the offload preset keeps every compressed moment in the host tier, also on a CPU-only run
     assert last["optstate/state_mb_host"] == pytest.approx(opt.memory_report()["host_bytes"] / 2**20)
-    assert last["optstate/state_mb_host"] + last["optstate/state_mb_device"] > 0
+    assert last["optstate/state_mb_host"] > 0
+    assert last["optstate/state_mb_device"] == 0.0
 
 
 def test_adaptive_warmup_switches_on_logged_loss(tmp_path):

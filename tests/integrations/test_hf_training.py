@@ -99,14 +99,14 @@ class CountingScaler(torch.amp.GradScaler):
         return super().unscale_(optimizer)
 
 
-def fp16_run(out_dir, optim, optim_args, max_grad_norm):
+def fp16_run(out_dir, optim, optim_args, max_grad_norm, init_scale=2.0**12):
     """fp16 with a GradScaler, as on GPU. On CPU Accelerate turns fp16 off (no autocast, no
     scaler), so switch its native AMP on with a CPU GradScaler before train()."""
     trainer = make_trainer(out_dir, optim=optim, optim_args=optim_args, fp16=True, max_steps=4,
                            max_grad_norm=max_grad_norm, callbacks=[] if optim == "adamw_torch" else None)
     assert trainer.accelerator.mixed_precision == "fp16"
     trainer.accelerator.native_amp = True
-    trainer.accelerator.scaler = CountingScaler("cpu", init_scale=2.0**12)
+    trainer.accelerator.scaler = CountingScaler("cpu", init_scale=init_scale)
     grad_norms, dtypes = [], []
     trainer.model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     trainer.create_optimizer()
@@ -140,3 +140,15 @@ def test_fp16_grad_scaler_with_int8_state_learns(tmp_path):
     assert trainer.accelerator.scaler.unscale_calls == 4
     assert losses(trainer)[-1] < losses(trainer)[0] and max(norms) < 50
     assert isinstance(opt, oc.VirtualOptimizer) and not hasattr(opt, "_step_supports_amp_scaling")
+
+
+def test_fp16_overflowing_steps_are_skipped(tmp_path):
+    # 2**20 overflows fp16 gradients for three steps (the scale halves each time), then steps.
+    ref, _ = fp16_run(tmp_path / "ref", "adamw_torch", None, 1.0, init_scale=2.0**20)
+    ours, _ = fp16_run(tmp_path / "ours", "optstate_adamw", "state=fp32", 1.0, init_scale=2.0**20)
+    opt = optstate_hf.find_virtual_optimizer(ours.optimizer)
+    ref_steps = {int(st["step"]) for st in ref.optimizer.optimizer.state.values()}
+    assert ours.accelerator.scaler.get_scale() == 2.0**17
+    assert opt.step_count == 1 and ref_steps == {1}
+    assert opt.state_dict()["optstate"]["nonfinite_skipped"] == 0  # the scaler skipped, not the optimizer
+    assert torch.equal(flat_params(ours.model), flat_params(ref.model))
