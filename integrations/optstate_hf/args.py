@@ -22,15 +22,15 @@ _FALSE = ("false", "0", "no", "off")
 _SIZE = re.compile(r"[0-9]*\.?[0-9]+\s*(b|kb|mb|gb|tb|kib|mib|gib|tib|k|m|g)?", re.IGNORECASE)
 
 
-def _codec(text: str) -> str:
-    name = text.strip().lower()
+def _codec(text) -> str:
+    name = str(text).strip().lower()
     if name not in CODECS:
         raise ValueError(f"must be one of {', '.join(CODECS)}")
     return name
 
 
-def _offload(text: str) -> str:
-    name = text.strip().lower()
+def _offload(text) -> str:
+    name = str(text).strip().lower()
     if name not in OFFLOAD:
         raise ValueError(f"must be one of {', '.join(OFFLOAD)}")
     return name

@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 
 import optstate_core as oc  # noqa: E402
 import optstate_hf  # noqa: E402
-from hf_testlib import losses, make_trainer, one_thread  # noqa: E402,F401
+from hf_testlib import losses, make_trainer, one_thread, tiny_model  # noqa: E402,F401
 from transformers import TrainerCallback  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,8 +137,6 @@ def test_callback_rejects_a_plain_optimizer(tmp_path):
 
 
 def test_callback_accepts_a_wrapped_optimizer_passed_in(tmp_path):
-    from hf_testlib import tiny_model
-
     model = tiny_model()
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "8bit")
     trainer = make_trainer(tmp_path, model=model, max_steps=2, trainer_kwargs={"optimizers": (opt, None)})

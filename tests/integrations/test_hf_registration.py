@@ -9,8 +9,7 @@ pytest.importorskip("transformers")
 
 import optstate_core as oc  # noqa: E402
 import optstate_hf  # noqa: E402
-from hf_testlib import make_trainer, one_thread, tiny_model, training_args  # noqa: E402,F401
-from optstate_hf import registration  # noqa: E402
+from hf_testlib import make_trainer, one_thread, tiny_dataset, tiny_model, training_args  # noqa: E402,F401
 from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402
 
@@ -107,6 +106,8 @@ def test_optim_args_are_typed():
     assert policy.momentum_codec.stochastic_rounding and policy.variance_codec.stochastic_rounding
     assert policy.device_resident is False
     assert optstate_hf.parse_optim_args({"chunk_bytes": "4096"}).get("chunk_bytes") == 4096
+    typed = optstate_hf.parse_optim_args({"state": "INT8", "warmup_steps": 3, "adaptive": True, "chunk_bytes": 2048})
+    assert typed.as_dict() == {"state": "int8", "warmup_steps": 3, "adaptive": True, "chunk_bytes": 2048}
     # offload=none undoes the offload preset; state overrides the preset's codecs
     local = optstate_hf.parse_optim_args("offload=none,state=fp16").policy("offload")
     assert local.device_resident is None and local.variance_codec.name == "fp16"
@@ -150,7 +151,7 @@ def test_bad_preset_rejected():
 def test_fallback_optimizer_cls_and_kwargs(tmp_path):
     args = training_args(tmp_path, optim="adamw_torch", optim_args=None, learning_rate=5e-3, max_steps=2)
     cls_kwargs = optstate_hf.optimizer_cls_and_kwargs(args, preset="4bit", optim_args="min_int8_elements=0")
-    trainer = Trainer(model=tiny_model(), args=args, train_dataset=__import__("hf_testlib").tiny_dataset(16),
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=tiny_dataset(16),
                       optimizer_cls_and_kwargs=cls_kwargs, callbacks=[optstate_hf.OptStateCallback()])
     trainer.train()
     opt = optstate_hf.find_virtual_optimizer(trainer.optimizer)

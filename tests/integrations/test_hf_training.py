@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 import optstate_core as oc  # noqa: E402
 import optstate_hf  # noqa: E402
-from hf_testlib import flat_params, losses, make_trainer, one_thread  # noqa: E402,F401
+from hf_testlib import flat_params, losses, make_trainer, one_thread, tiny_model  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +35,7 @@ def test_accumulation_matches_large_batch(tmp_path):
         trainer.train()
         runs[accumulation] = (losses(trainer), flat_params(trainer.model))
         assert optstate_hf.find_virtual_optimizer(trainer.optimizer).step_count == 5
-    start = flat_params(__import__("hf_testlib").tiny_model())
+    start = flat_params(tiny_model())
     moved = (runs[1][1] - start).abs().max()
     assert moved > 1e-3
     # The same gradients up to float summation order; int8 rounding may land a near-tie element on
