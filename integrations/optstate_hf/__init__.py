@@ -1,0 +1,24 @@
+"""optstate for the Hugging Face Trainer.
+
+``import optstate_hf`` registers ``optim="optstate_adamw"`` (and ``_8bit``, ``_4bit``,
+``_offload``) with the installed transformers; ``OptStateCallback`` handles warmup switching,
+accumulation boundaries and metrics. Import it before building ``HfArgumentParser`` or
+unpickling ``training_args.bin``.
+"""
+from __future__ import annotations
+
+import logging
+
+from .args import KEYS as OPTIM_ARGS_KEYS
+from .args import OptimArgs, parse_optim_args
+from .callback import OptStateCallback, find_virtual_optimizer
+from .optimizer import OptStateAdamW, optimizer_cls_and_kwargs
+from .registration import OPTIM_NAMES, RegistrationError, is_registered, register
+
+try:
+    register()
+except RegistrationError as e:  # transformers 4.x: the fallback still works
+    logging.getLogger("optstate.hf").warning("%s", e)
+
+__all__ = ["OptStateAdamW", "OptStateCallback", "OptimArgs", "OPTIM_ARGS_KEYS", "OPTIM_NAMES", "RegistrationError",
+           "find_virtual_optimizer", "is_registered", "optimizer_cls_and_kwargs", "parse_optim_args", "register"]

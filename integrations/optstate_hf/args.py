@@ -1,0 +1,235 @@
+"""``optim_args`` for the optstate optimizers: typed parsing, then policy and wrap options.
+
+``TrainingArguments(optim_args="state=int8,offload=none,warmup_steps=100")`` reaches the
+optimizer as strings; :func:`parse_optim_args` turns them into an :class:`OptimArgs` (typed,
+validated, immutable), which builds the :class:`optstate_core.WarmupPolicy` (or
+``AdaptiveWarmupPolicy``) on top of a preset from ``optstate_core.PRESETS`` and the
+``VirtualOptimizer`` options.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, Optional, Union
+
+import optstate_core as oc
+
+CODECS = ("int8", "int4", "bf16", "fp16", "fp32")
+OFFLOAD = ("none", "host")
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_SIZE = re.compile(r"[0-9]*\.?[0-9]+\s*(b|kb|mb|gb|tb|kib|mib|gib|tib|k|m|g)?", re.IGNORECASE)
+
+
+def _codec(text) -> str:
+    name = str(text).strip().lower()
+    if name not in CODECS:
+        raise ValueError(f"must be one of {', '.join(CODECS)}")
+    return name
+
+
+def _offload(text) -> str:
+    name = str(text).strip().lower()
+    if name not in OFFLOAD:
+        raise ValueError(f"must be one of {', '.join(OFFLOAD)}")
+    return name
+
+
+def _bool(text: str) -> bool:
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("must be true or false")
+
+
+def _int(minimum: Optional[int]) -> Callable[[str], int]:
+    def parse(text) -> int:
+        if isinstance(text, bool):
+            raise ValueError("must be an integer")
+        try:
+            value = text if isinstance(text, int) else int(str(text).strip())
+        except ValueError:
+            raise ValueError("must be an integer") from None
+        if minimum is not None and value < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return value
+    return parse
+
+
+def _tol(text) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError("must be a number") from None
+    if not 0 <= value < 1:
+        raise ValueError("must be in [0, 1)")
+    return value
+
+
+def _size(text) -> Union[int, str]:
+    """A byte count: an int, or a string such as ``64MB`` / ``2GiB`` (kept as text for the core)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError("must be positive")
+        return text
+    s = str(text).strip()
+    if s.isdigit():
+        return _size(int(s))
+    if not _SIZE.fullmatch(s) or float(re.match(r"[0-9]*\.?[0-9]+", s).group()) <= 0:
+        raise ValueError("must be a positive byte count such as 67108864, 64MB or 2GiB")
+    return s
+
+
+@dataclass(frozen=True)
+class Key:
+    parse: Callable
+    help: str
+    target: str  # "policy", "wrap" or "adaptive": where the value goes
+
+
+#: Every accepted ``optim_args`` key: parser, meaning, and where it goes.
+KEYS: Dict[str, Key] = {
+    "state": Key(_codec, f"codec of both moments ({'/'.join(CODECS)})", "policy"),
+    "momentum": Key(_codec, "codec of the first moment (overrides state)", "policy"),
+    "variance": Key(_codec, "codec of the second moment (overrides state)", "policy"),
+    "offload": Key(_offload, "where compressed state lives between steps: none (the parameters' device) "
+                             "or host (CPU memory)", "policy"),
+    "warmup_steps": Key(_int(0), "steps kept uncompressed (fp32) before the codecs switch on", "policy"),
+    "min_int8_elements": Key(_int(0), "tensors with fewer elements stay fp32", "policy"),
+    "stochastic_rounding": Key(_bool, "stochastic rounding when encoding (counter-based, reproducible)", "policy"),
+    "adaptive": Key(_bool, "end the warmup early when the logged loss plateaus (needs warmup_steps > 0)",
+                    "adaptive"),
+    "patience": Key(_int(1), "adaptive: stale loss logs before switching (default 5)", "adaptive"),
+    "tol": Key(_tol, "adaptive: relative improvement that counts as progress (default 1e-3)", "adaptive"),
+    "chunk_bytes": Key(_size, "bound on full-precision state materialized at once during a step (default 64MB)",
+                       "wrap"),
+    "chunk_size": Key(_int(1), "at most this many tiles per chunk", "wrap"),
+    "seed": Key(_int(None), "seed of the stochastic-rounding hash", "wrap"),
+    "gpu_budget": Key(_size, "device bytes that offloaded state may occupy (pass-through to the core)", "wrap"),
+    "prefetch_during_backward": Key(_bool, "fetch offloaded state during the backward that ends in a step "
+                                           "(pass-through to the core)", "wrap"),
+}
+#: wrap options that are forwarded only when the installed optstate_core accepts them.
+PASS_THROUGH = ("gpu_budget", "prefetch_during_backward")
+
+
+def valid_keys_text() -> str:
+    return ", ".join(KEYS)
+
+
+def _error(message: str) -> ValueError:
+    return ValueError(f"optim_args: {message}. Valid keys: {valid_keys_text()}")
+
+
+def split_optim_args(text: str) -> Dict[str, str]:
+    """``"k=v,k2=v2"`` -> ``{"k": "v", "k2": "v2"}`` (spaces ignored, as the Trainer does)."""
+    items: Dict[str, str] = {}
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise _error(f"expected key=value, got {part!r}")
+        if key in items:
+            raise _error(f"key {key!r} given twice")
+        items[key] = value
+    return items
+
+
+class OptimArgs:
+    """Parsed, typed ``optim_args`` (only the keys that were given). Build with
+    :func:`parse_optim_args`; read with ``args.get(key)`` / ``key in args``."""
+
+    def __init__(self, values: Optional[Mapping[str, object]] = None):
+        self._values = dict(values or {})
+
+    def get(self, key: str, default=None):
+        return self._values.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, OptimArgs) and self._values == other._values
+
+    def __repr__(self) -> str:
+        return f"OptimArgs({self._values!r})"
+
+    def as_dict(self) -> dict:
+        return dict(self._values)
+
+    # -- what the optimizer is built from ----------------------------------------------------
+    def policy(self, preset: str = "default") -> oc.WarmupPolicy:
+        """The preset's WarmupPolicy with these overrides (AdaptiveWarmupPolicy if ``adaptive``)."""
+        if preset not in oc.PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(sorted(oc.PRESETS))}, got {preset!r}")
+        kwargs = dict(oc.PRESETS[preset])
+        if "state" in self:
+            kwargs["momentum_codec"] = kwargs["variance_codec"] = self.get("state")
+        if "momentum" in self:
+            kwargs["momentum_codec"] = self.get("momentum")
+        if "variance" in self:
+            kwargs["variance_codec"] = self.get("variance")
+        if "offload" in self:
+            kwargs["device_resident"] = False if self.get("offload") == "host" else None
+        for key in ("warmup_steps", "min_int8_elements"):
+            if key in self:
+                kwargs[key] = self.get(key)
+        if self.get("stochastic_rounding"):
+            for role in ("momentum_codec", "variance_codec"):
+                spec = kwargs.get(role)
+                if isinstance(spec, str) and spec != "fp32":
+                    kwargs[role] = oc.get_codec(spec, stochastic_rounding=True)
+        if self.get("adaptive"):
+            return oc.AdaptiveWarmupPolicy(**kwargs, patience=self.get("patience", 5), tol=self.get("tol", 1e-3))
+        return oc.WarmupPolicy(**kwargs)
+
+    def wrap_options(self) -> dict:
+        """Options for ``optstate_core.VirtualOptimizer``."""
+        return {k: v for k, v in self._values.items() if KEYS[k].target == "wrap"}
+
+
+def _core_accepts(option: str) -> bool:
+    params = inspect.signature(oc.VirtualOptimizer.__init__).parameters
+    return option in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def parse_optim_args(optim_args: Union[None, str, Mapping, OptimArgs]) -> OptimArgs:
+    """Parse and validate ``optim_args`` (a ``"k=v,..."`` string, a mapping, or parsed already).
+
+    Raises ValueError naming the key and listing the valid keys for an unknown key, a bad
+    value, or an inconsistent combination (e.g. ``patience`` without ``adaptive=true``).
+    """
+    if optim_args is None:
+        return OptimArgs()
+    if isinstance(optim_args, OptimArgs):
+        return optim_args
+    if isinstance(optim_args, str):
+        optim_args = split_optim_args(optim_args)
+    if not isinstance(optim_args, Mapping):
+        raise ValueError(f"optim_args must be a 'key=value,...' string or a mapping, got {type(optim_args).__name__}")
+    parsed = {}
+    for key, raw in optim_args.items():
+        spec = KEYS.get(key)
+        if spec is None:
+            raise _error(f"unknown key {key!r}")
+        try:
+            parsed[key] = spec.parse(raw)
+        except ValueError as e:
+            raise _error(f"{key}={raw!r} {e}") from None
+    if not parsed.get("adaptive"):
+        extra = [k for k in ("patience", "tol") if k in parsed]
+        if extra:
+            raise _error(f"{', '.join(extra)} only apply with adaptive=true")
+    elif parsed.get("warmup_steps", 0) <= 0:
+        raise _error("adaptive=true needs warmup_steps > 0 (the latest step at which compression starts)")
+    for key in PASS_THROUGH:
+        if key in parsed and not _core_accepts(key):
+            raise _error(f"{key} is not supported by the installed optstate_core "
+                         f"(VirtualOptimizer takes no {key!r} option); remove it or upgrade optstate")
+    return OptimArgs(parsed)

@@ -1,0 +1,112 @@
+"""``OptStateCallback``: warmup switching, accumulation boundaries and metrics in the Trainer's logs."""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Optional
+
+import optstate_core as oc
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
+
+log = logging.getLogger("optstate.hf")
+
+
+def find_virtual_optimizer(optimizer) -> Optional[oc.VirtualOptimizer]:
+    """The VirtualOptimizer inside the Trainer's optimizer (Accelerate's AcceleratedOptimizer
+    keeps it as ``.optimizer``), or None."""
+    for _ in range(4):
+        if isinstance(optimizer, oc.VirtualOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
+def _run_first(callback) -> bool:
+    """Put ``callback`` first in the CallbackHandler that is calling it.
+
+    The Trainer appends user callbacks after the reporting integrations (TensorBoard, W&B, ...),
+    so keys a callback adds to ``logs`` in ``on_log`` would reach none of them. The handler is
+    not passed to callbacks; it is the ``self`` of ``CallbackHandler.call_event``, our caller.
+    Moving ourselves from index i to 0 keeps the handler's running loop over the list intact
+    (items after i keep their indices).
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(4):
+            frame = frame.f_back if frame is not None else None
+            handler = frame.f_locals.get("self") if frame is not None else None
+            if isinstance(handler, CallbackHandler):
+                callbacks = handler.callbacks
+                index = next((i for i, cb in enumerate(callbacks) if cb is callback), None)
+                if index is None:
+                    return False
+                if index:
+                    callbacks.insert(0, callbacks.pop(index))
+                return True
+    finally:
+        del frame
+    return False
+
+
+class OptStateCallback(TrainerCallback):
+    """Connects an optstate optimizer to the HF Trainer.
+
+    - Step boundaries: binds the optimizer to Accelerate's ``sync_gradients``, so the engine knows
+      which micro-batch's backward ends in an optimizer step (prefetch of offloaded state runs
+      only there).
+    - Warmup switching: feeds each logged training loss (``logs["loss"]``, averaged over ranks
+      and so identical on all of them) to an ``AdaptiveWarmupPolicy``; the policy's phase is
+      part of the optimizer's state_dict (``optimizer.pt``), so a resumed run stays in it.
+    - Metrics: adds ``optimizer.log_metrics(prefix)`` (state MB on device and host, bits/param,
+      step and overhead ms, ...) to every training log, so they reach ``log_history`` and the
+      ``report_to`` integrations like any metric. To get there first it moves itself to the
+      front of the Trainer's callback list.
+
+    Args:
+        log_metrics: add the optimizer metrics to the logs.
+        prefix: prefix of the metric names.
+        feed_loss: feed logged losses to the policy (only policies that want them).
+    """
+
+    def __init__(self, log_metrics: bool = True, prefix: str = "optstate/", feed_loss: bool = True):
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix must be a string, got {prefix!r}")
+        self.log_metrics = bool(log_metrics)
+        self.prefix = prefix
+        self.feed_loss = bool(feed_loss)
+        self.optimizer: Optional[oc.VirtualOptimizer] = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        opt = find_virtual_optimizer(optimizer)
+        if opt is None:
+            raise ValueError(f"OptStateCallback: the Trainer's optimizer ({type(optimizer).__name__}) is not an "
+                             "optstate optimizer; use optim='optstate_adamw' (after `import optstate_hf`), "
+                             "optimizer_cls_and_kwargs=optstate_hf.optimizer_cls_and_kwargs(args), or "
+                             "optimizers=(optstate_core.wrap(...), None)")
+        self.optimizer = opt
+        gradient_state = getattr(optimizer, "gradient_state", None)
+        if gradient_state is not None:
+            opt.bind_step_boundary(lambda: gradient_state.sync_gradients)
+        if self.log_metrics and not _run_first(self):
+            log.warning("OptStateCallback could not run ahead of the other callbacks: optimizer metrics reach "
+                        "trainer.state.log_history but not report_to integrations")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        opt = self.optimizer
+        if opt is None or not logs or "loss" not in logs:
+            return
+        if self.feed_loss and opt.policy.wants_loss:
+            opt.observe_loss(logs["loss"])
+        if self.log_metrics:
+            metrics = opt.log_metrics(self.prefix)
+            logs.update(metrics)
+            # The Trainer appended a copy of these logs to log_history just before on_log.
+            entry = state.log_history[-1] if state.log_history else None
+            if entry is not None and entry.get("step") == state.global_step and entry.get("loss") == logs["loss"]:
+                entry.update(metrics)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.optimizer is not None:
+            self.optimizer.bind_step_boundary(None)
+        self.optimizer = None

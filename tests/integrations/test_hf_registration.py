@@ -1,0 +1,160 @@
+"""optstate_hf: optim names, the handler, optim_args parsing, the fallback."""
+import json
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import optstate_core as oc  # noqa: E402
+import optstate_hf  # noqa: E402
+from hf_testlib import make_trainer, one_thread, tiny_dataset, tiny_model, training_args  # noqa: E402,F401
+from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
+from transformers.training_args import OptimizerNames  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAMES = {"optstate_adamw": "default", "optstate_adamw_8bit": "8bit", "optstate_adamw_4bit": "4bit",
+         "optstate_adamw_offload": "offload"}
+
+
+def test_names_map_to_core_presets():
+    assert optstate_hf.OPTIM_NAMES == NAMES
+    assert set(NAMES.values()) <= set(oc.PRESETS)
+    assert optstate_hf.is_registered()
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_name_is_valid_and_serializes(tmp_path, name):
+    args = TrainingArguments(str(tmp_path), optim=name, optim_args="state=int4", report_to=[])
+    assert args.optim == name and isinstance(args.optim, OptimizerNames)
+    assert args.to_dict()["optim"] == name
+    assert json.loads(args.to_json_string())["optim"] == name
+    assert pickle.loads(pickle.dumps(args)).optim is args.optim
+    (parsed,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--optim", name, "--report_to", "none"])
+    assert parsed.optim == name
+
+
+def test_register_is_idempotent():
+    members = list(OptimizerNames)
+    optstate_hf.register()
+    assert list(OptimizerNames) == members
+    assert OptimizerNames("optstate_adamw") is OptimizerNames.OPTSTATE_ADAMW
+
+
+def test_unknown_name_still_rejected(tmp_path):
+    with pytest.raises(ValueError, match="optstate_adamw_2bit"):
+        TrainingArguments(str(tmp_path), optim="optstate_adamw_2bit", report_to=[])
+
+
+def test_transformers_without_registry_gets_a_clear_error(monkeypatch):
+    import transformers.trainer_optimizer as to
+
+    monkeypatch.delattr(to, "_OPTIMIZER_HANDLERS")
+    with pytest.raises(optstate_hf.RegistrationError, match="optimizer_cls_and_kwargs"):
+        optstate_hf.register()
+    assert not optstate_hf.is_registered()
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_handler_builds_preset_with_trainer_hyperparameters(tmp_path, name):
+    args = training_args(tmp_path, optim=name, optim_args=None, learning_rate=2e-3, adam_beta1=0.8,
+                         adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.05)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert cls is optstate_hf.OptStateAdamW and issubclass(cls, torch.optim.Optimizer)
+    assert (kwargs["lr"], kwargs["betas"], kwargs["eps"], kwargs["weight_decay"]) == (2e-3, (0.8, 0.95), 1e-6, 0.05)
+    assert kwargs["preset"] == NAMES[name]
+    expected = oc.make_policy(NAMES[name])
+    policy = cls([torch.nn.Parameter(torch.zeros(4))], **kwargs).policy
+    assert type(policy) is oc.WarmupPolicy
+    assert policy.momentum_codec.name == expected.momentum_codec.name
+    assert policy.variance_codec.name == expected.variance_codec.name
+    assert policy.device_resident == expected.device_resident
+
+
+def test_trainer_keeps_decay_grouping(tmp_path):
+    trainer = make_trainer(tmp_path, weight_decay=0.07, learning_rate=1e-3, adam_beta1=0.85)
+    opt = trainer.create_optimizer()
+    assert isinstance(opt, oc.VirtualOptimizer)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    decay = set(trainer.get_decay_parameter_names(trainer.model)) & set(names.values())  # lm_head is tied
+    (g_decay, g_no) = opt.param_groups
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert {names[id(p)] for p in g_decay["params"]} == decay
+    assert g_decay["weight_decay"] == 0.07 and g_no["weight_decay"] == 0.0
+    assert {names[id(p)] for p in g_no["params"]} == set(names.values()) - decay
+    assert any("bias" in n or "ln" in n for n in (names[id(p)] for p in g_no["params"]))
+    for g in opt.param_groups:
+        assert g["lr"] == 1e-3 and g["betas"] == (0.85, 0.999)
+
+
+def test_optim_args_are_typed():
+    parsed = optstate_hf.parse_optim_args(
+        "state=int4, momentum=int8,variance=bf16,offload=host,warmup_steps=7,adaptive=TRUE,patience=3,tol=0.01,"
+        "min_int8_elements=0,chunk_bytes=1MB,chunk_size=4,stochastic_rounding=yes,seed=11")
+    assert parsed.as_dict() == {"state": "int4", "momentum": "int8", "variance": "bf16", "offload": "host",
+                                "warmup_steps": 7, "adaptive": True, "patience": 3, "tol": 0.01,
+                                "min_int8_elements": 0, "chunk_bytes": "1MB", "chunk_size": 4,
+                                "stochastic_rounding": True, "seed": 11}
+    assert parsed.wrap_options() == {"chunk_bytes": "1MB", "chunk_size": 4, "seed": 11}
+    policy = parsed.policy("default")
+    assert isinstance(policy, oc.AdaptiveWarmupPolicy)
+    assert (policy.warmup_steps, policy.patience, policy.tol, policy.min_int8_elements) == (7, 3, 0.01, 0)
+    assert policy.momentum_codec.name == "int8" and policy.variance_codec.name == "bf16"
+    assert policy.momentum_codec.stochastic_rounding and policy.variance_codec.stochastic_rounding
+    assert policy.device_resident is False
+    assert optstate_hf.parse_optim_args({"chunk_bytes": "4096"}).get("chunk_bytes") == 4096
+    typed = optstate_hf.parse_optim_args({"state": "INT8", "warmup_steps": 3, "adaptive": True, "chunk_bytes": 2048})
+    assert typed.as_dict() == {"state": "int8", "warmup_steps": 3, "adaptive": True, "chunk_bytes": 2048}
+    # offload=none undoes the offload preset; state overrides the preset's codecs
+    local = optstate_hf.parse_optim_args("offload=none,state=fp16").policy("offload")
+    assert local.device_resident is None and local.variance_codec.name == "fp16"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("colour=red", "unknown key 'colour'"),
+    ("state=int3", "state='int3' must be one of int8, int4, bf16, fp16, fp32"),
+    ("offload=disk", "offload='disk' must be one of none, host"),
+    ("warmup_steps=-1", "warmup_steps='-1' must be >= 0"),
+    ("warmup_steps=1.5", "warmup_steps='1.5' must be an integer"),
+    ("adaptive=maybe", "adaptive='maybe' must be true or false"),
+    ("adaptive=true,warmup_steps=10,tol=2", "tol='2' must be in"),
+    ("chunk_bytes=lots", "chunk_bytes='lots' must be a positive byte count"),
+    ("chunk_bytes=0", "must be positive"),
+    ("patience=3", "patience only apply with adaptive=true"),
+    ("adaptive=true", "needs warmup_steps > 0"),
+    ("state", "expected key=value"),
+    ("seed=1,seed=2", "given twice"),
+])
+def test_bad_optim_args_list_valid_keys(text, needle):
+    with pytest.raises(ValueError) as info:
+        optstate_hf.parse_optim_args(text)
+    message = str(info.value)
+    assert needle in message
+    assert "Valid keys: state, momentum, variance, offload" in message and "prefetch_during_backward" in message
+
+
+def test_bad_optim_args_fail_at_optimizer_creation(tmp_path):
+    trainer = make_trainer(tmp_path, optim_args="state=int8,colour=red")
+    with pytest.raises(ValueError, match="unknown key 'colour'"):
+        trainer.create_optimizer()
+    assert trainer.optimizer is None
+
+
+def test_bad_preset_rejected():
+    with pytest.raises(ValueError, match="preset must be one of"):
+        optstate_hf.OptStateAdamW([torch.nn.Parameter(torch.zeros(3))], preset="2bit")
+
+
+def test_fallback_optimizer_cls_and_kwargs(tmp_path):
+    args = training_args(tmp_path, optim="adamw_torch", optim_args=None, learning_rate=5e-3, max_steps=2)
+    cls_kwargs = optstate_hf.optimizer_cls_and_kwargs(args, preset="4bit", optim_args="min_int8_elements=0")
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=tiny_dataset(16),
+                      optimizer_cls_and_kwargs=cls_kwargs, callbacks=[optstate_hf.OptStateCallback()])
+    trainer.train()
+    opt = optstate_hf.find_virtual_optimizer(trainer.optimizer)
+    assert opt is not None and opt.step_count == 2
+    assert opt.memory_report()["by_codec"].keys() == {"int4"}
+    assert opt.param_groups[0]["lr"] == 5e-3 and len(opt.param_groups) == 2
