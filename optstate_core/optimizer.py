@@ -176,15 +176,20 @@ class VirtualOptimizer(torch.optim.Optimizer):
         offloaded state only runs before a step. Integrations call this for you."""
         self._engine.boundary.set(bool(will_step))
 
+    @property
+    def step_boundary(self) -> bool:
+        """Whether the coming backward ends in an optimizer step (see :meth:`set_step_boundary`)."""
+        return self._engine.boundary.will_step
+
     def bind_step_boundary(self, source: Optional[Callable[[], bool]]) -> None:
         """Read the step boundary from ``source()`` instead (e.g. Accelerate's ``sync_gradients``)."""
         if source is not None and not callable(source):
             raise ValueError("source must be a callable returning bool, or None")
         self._engine.boundary.source = source
 
-    def observe_loss(self, loss) -> None:
-        """Feed a training loss to the policy (AdaptiveWarmupPolicy switches on a plateau)."""
-        self._engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+    def observe_loss(self, loss) -> bool:
+        """Feed a training loss to the policy; True when this call switched compression on."""
+        return bool(self._engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss)))
 
     def get_state(self, param: torch.Tensor) -> dict:
         """The decoded (full-precision) state of one parameter, as the inner optimizer sees it."""

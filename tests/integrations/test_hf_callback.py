@@ -91,7 +91,7 @@ class BoundaryRecorder(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.opt = optstate_hf.find_virtual_optimizer(optimizer)
         param = model.transformer.wte.weight
-        param.register_hook(lambda grad: self.flags.append(self.opt._engine.boundary.will_step))
+        param.register_hook(lambda grad: self.flags.append(self.opt.step_boundary))
 
     def fingerprint(self):
         parts = [self.opt.step_count]
