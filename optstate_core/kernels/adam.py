@@ -1,0 +1,147 @@
+"""Fused Adam/AdamW step on encoded state: decode -> exact torch update -> encode, one pass.
+
+One launch covers many tensors (pointer tables, see ``launch.py``); each program updates
+``NBLK`` tiles of 256 elements of one tensor. The update follows ``torch.optim.Adam``'s
+single-tensor arithmetic (maximize, L2 or decoupled weight decay, lerp for the first moment,
+amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device, so
+no host synchronisation or host-side step value is needed (the step is CUDA-graph friendly).
+The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` -> encode);
+``tests/kernels`` compares the two on random inputs.
+"""
+import triton
+import triton.language as tl
+
+from .codec_ops import FP32, load_state, random_bits, store_state
+
+P_FP32 = tl.constexpr(0)
+P_BF16 = tl.constexpr(1)
+P_FP16 = tl.constexpr(2)
+
+
+@triton.jit
+def param_pointer(addr, P_KIND: tl.constexpr):
+    if P_KIND == P_BF16:
+        return addr.to(tl.pointer_type(tl.bfloat16))
+    elif P_KIND == P_FP16:
+        return addr.to(tl.pointer_type(tl.float16))
+    else:
+        return addr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
+    """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``."""
+    cols = tl.load(COLS + t)
+    nbr = tl.load(NBR + t)
+    nblocks = tl.load(NBLOCKS + t)
+    j = b0 + tl.arange(0, NBLK).to(tl.int64)
+    ok = j < nblocks
+    row = j // nbr
+    bc = j % nbr
+    col = bc[:, None] * 256 + tl.arange(0, 256)[None, :]
+    mask = ok[:, None] & (col < cols)
+    elem = row[:, None] * cols + col
+    # 4-bit: packed bytes [rows, ceil(cols / 2)], scales [rows, ceil(cols / 128)]
+    pcols = (cols + 1) // 2
+    k = tl.arange(0, 128)[None, :]
+    pair = row[:, None] * pcols + bc[:, None] * 128 + k
+    pmask = ok[:, None] & (bc[:, None] * 256 + 2 * k < cols)
+    nb128 = (cols + 127) // 128
+    h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
+    s4 = row[:, None] * nb128 + 2 * bc[:, None] + h
+    s4mask = ok[:, None] & (2 * bc[:, None] + h < nb128)
+    s8 = tl.where(ok, j, -1)
+    return elem, mask, pair, pmask, s8, s4, s4mask
+
+
+@triton.jit
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
+                COLS, NBR, NBLOCKS, PROG_T, PROG_B,
+                lr_ptr, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+                m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
+                P_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
+                M_SR: tl.constexpr, V_SR: tl.constexpr, P_SR: tl.constexpr,
+                M_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr,
+                AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
+                NBLK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(PROG_T + pid)
+    if CHECK_FINITE:
+        if tl.load(FLAGS + t) != 0:
+            return
+    b0 = tl.load(PROG_B + pid).to(tl.int64)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
+
+    p_ptr = param_pointer(tl.load(P + t), P_KIND)
+    g_ptr = param_pointer(tl.load(G + t), P_KIND)
+    p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+
+    if LR_TENSOR:
+        lr = tl.load(lr_ptr)
+    step = tl.load(tl.load(STEPS + t).to(tl.pointer_type(tl.float32))) + 1.0
+    bc1 = 1.0 - tl.exp2(step * log2_beta1)
+    bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+    step_size = tl.math.div_rn(lr, bc1)
+
+    if MAXIMIZE:
+        g = -g
+    if DECOUPLED:
+        p = p * (1.0 - lr * weight_decay)
+    else:
+        g = g + weight_decay * p
+
+    m_addr = tl.load(M + t)
+    ms_addr = tl.load(MS + t)
+    v_addr = tl.load(V + t)
+    vs_addr = tl.load(VS + t)
+    if FIRST:
+        m = tl.zeros(p.shape, dtype=tl.float32)
+        v = tl.zeros(p.shape, dtype=tl.float32)
+    else:
+        m = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
+        v = load_state(v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False, NBLK)
+
+    m = m + (1.0 - beta1) * (g - m)  # torch's lerp for weights < 0.5
+    v = v * beta2 + ((1.0 - beta2) * g) * g
+    if AMSGRAD:
+        vm_addr = tl.load(VM + t)
+        vms_addr = tl.load(VMS + t)
+        if FIRST:
+            vmax = v
+        else:
+            vmax = load_state(vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False,
+                              NBLK)
+            vmax = tl.maximum(vmax, v)
+        denom = tl.math.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+    else:
+        denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.math.div_rn(m, denom)
+
+    m_key = tl.load(KEYS + 3 * t).to(tl.uint32)
+    v_key = tl.load(KEYS + 3 * t + 1).to(tl.uint32)
+    store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, m_levels, m_mids,
+                M_KIND, True, M_SR, M_LEVELS, NBLK)
+    store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, v_levels, v_mids,
+                V_KIND, False, V_SR, V_LEVELS, NBLK)
+    if AMSGRAD:
+        store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, v_levels, v_mids,
+                    V_KIND, False, V_SR, V_LEVELS, NBLK)
+    if P_SR:
+        bits = p.to(tl.int32, bitcast=True)
+        noise = (random_bits(tl.load(KEYS + 3 * t + 2).to(tl.uint32), elem) & 0xFFFF).to(tl.int32)
+        r = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
+        p = tl.where((p == p) & (tl.abs(p) < float("inf")), r, p)
+    tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def advance_steps_kernel(STEPS, FLAGS, CHECK_FINITE: tl.constexpr):
+    """state['step'] += 1 for every tensor of the launch, except those skipped as non-finite."""
+    t = tl.program_id(0)
+    ptr = tl.load(STEPS + t).to(tl.pointer_type(tl.float32))
+    inc = 1.0
+    if CHECK_FINITE:
+        inc = tl.where(tl.load(FLAGS + t) != 0, 0.0, 1.0)
+    tl.store(ptr, tl.load(ptr) + inc)

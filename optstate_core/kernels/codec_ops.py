@@ -1,0 +1,207 @@
+"""Triton twins of the codecs (``optstate_core/codecs``): decode and encode state tiles in registers.
+
+Each function reproduces its torch reference bit for bit on identical inputs: the int8
+minifloat uses only exact multiplies and integer operations on float32 bits, the 4-bit
+codebook compares against the same float32 midpoints after a correctly rounded division, bf16
+rounds to nearest even, and stochastic rounding draws from the same counter hash
+(``codecs/rounding.py``). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
+are two per byte (even element in the low nibble).
+"""
+import triton
+import triton.language as tl
+
+# state kinds (constexpr); the Python side maps codecs to these in optstate_core/fused.py
+FP32 = tl.constexpr(0)
+BF16 = tl.constexpr(1)
+INT8 = tl.constexpr(2)
+INT4 = tl.constexpr(3)
+TILE = tl.constexpr(256)
+
+
+@triton.jit
+def mix32(x):
+    """The 32-bit mixer of codecs/rounding.py (uint32 arithmetic wraps like the masked int64)."""
+    x = x ^ (x >> 16)
+    x = x * 73244475  # 0x045D9F3B
+    x = x ^ (x >> 16)
+    x = x * 73244475
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def random_bits(key, idx):
+    """32 random bits (uint32) for int64 element indices, keyed by a uint32 stream key."""
+    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+    hi = mix32((idx >> 32).to(tl.uint32))
+    return mix32((lo ^ key) + hi)
+
+
+@triton.jit
+def finite_abs(x, mask):
+    a = tl.abs(x)
+    return tl.where(mask & (a == a) & (a < float("inf")), a, 0.0)
+
+
+@triton.jit
+def pow2_exponent(absmax):
+    """e with absmax / 2**e in [0.5, 1), clamped to [-125, 126] (codecs/blocks.py pow2_scale)."""
+    bits = absmax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 126
+    return tl.minimum(tl.maximum(e, -125), 126)
+
+
+@triton.jit
+def exp2_int(e):
+    """2**e as float32 for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+# -- int8 minifloat: signed E4M3 with subnormals, unsigned E5M3 with an exact zero --------------
+@triton.jit
+def decode_int8(codes, SIGNED: tl.constexpr):
+    c = codes.to(tl.int32)
+    if SIGNED:
+        mag = c & 127
+        e = mag >> 3
+        f = mag & 7
+        normal = (((e + 111) << 23) | (f << 20)).to(tl.float32, bitcast=True)
+        val = tl.where(e == 0, f.to(tl.float32) * 3.814697265625e-06, normal)  # f * 2**-18
+        return tl.where(c >= 128, -val, val)
+    else:
+        e = c >> 3
+        f = c & 7
+        normal = (((e + 95) << 23) | (f << 20)).to(tl.float32, bitcast=True)
+        return tl.where(c == 0, 0.0, normal)
+
+
+@triton.jit
+def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
+    """Codes (int32) of values normalized by their block's power-of-two scale."""
+    if SR:
+        half = (rbits & 0xFFFFF).to(tl.int32)
+    else:
+        half = 0x80000
+    if SIGNED:
+        a = tl.abs(y)
+        a = tl.where(a == a, a, 0.0)
+        bits = a.to(tl.int32, bitcast=True)
+        normal = ((bits + half) >> 20) - 888
+        if SR:
+            u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
+        else:
+            u = 0.5
+        sub = tl.floor(a * 262144.0 + u).to(tl.int32)
+        mag = tl.where(a >= 3.0517578125e-05, normal, sub)
+        mag = tl.minimum(tl.maximum(mag, 0), 127)
+        return tl.where((y < 0) & (mag > 0), mag | 128, mag)
+    else:
+        a = tl.where(y == y, y, 0.0)
+        a = tl.maximum(a, 0.0)
+        bits = a.to(tl.int32, bitcast=True)
+        normal = ((bits + half) >> 20) - 760
+        return tl.where(a > 0, tl.minimum(tl.maximum(normal, 1), 255), 0)
+
+
+# -- 4-bit codebook -------------------------------------------------------------------------------
+@triton.jit
+def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: tl.constexpr,
+                SR: tl.constexpr):
+    """Codes (int32) of values normalized by their block absmax (codecs/int4.py codes_of)."""
+    y = tl.where(y == y, y, 0.0)
+    if SIGNED:
+        y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+    else:
+        y = tl.minimum(tl.maximum(y, 0.0), 1.0)
+    code = tl.zeros(y.shape, dtype=tl.int32)
+    if SR:
+        for i in tl.static_range(N_LEVELS):
+            code += (tl.load(levels_ptr + i) <= y).to(tl.int32)
+        lo = tl.minimum(tl.maximum(code - 1, 0), N_LEVELS - 2)
+        l0 = tl.load(levels_ptr + lo)
+        l1 = tl.load(levels_ptr + lo + 1)
+        p = tl.math.div_rn(y - l0, l1 - l0)
+        u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
+        code = lo + (u < p).to(tl.int32)
+        if not SIGNED:
+            code = tl.where(y > 0, tl.maximum(code, 1), code)
+    else:
+        for i in tl.static_range(N_LEVELS - 1):
+            code += (tl.load(mids_ptr + i) < y).to(tl.int32)
+    return code
+
+
+@triton.jit
+def block_absmax_128(a, NBLK: tl.constexpr):
+    """[NBLK, 256] -> [NBLK, 256]: each 128-element half replaced by its max."""
+    m = tl.max(tl.reshape(a, (NBLK * 2, 128)), axis=1)
+    return tl.reshape(tl.broadcast_to(tl.reshape(m, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
+
+
+@triton.jit
+def half_index(NBLK: tl.constexpr):
+    """[NBLK, 2] index of the two 128-element halves of each 256-element tile row."""
+    return tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
+
+
+# -- load / store one state tile of any kind --------------------------------------------------------
+@triton.jit
+def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, lut_ptr,
+               KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
+    """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pair`` packed-byte offsets
+    ([NBLK, 128]), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
+    if KIND == FP32:
+        return tl.load(data_addr.to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
+    elif KIND == BF16:
+        return tl.load(data_addr.to(tl.pointer_type(tl.bfloat16)) + elem, mask=mask, other=0.0).to(tl.float32)
+    elif KIND == INT8:
+        c = tl.load(data_addr.to(tl.pointer_type(tl.uint8)) + elem, mask=mask, other=0)
+        s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + s8, mask=s8 >= 0, other=0.0)
+        return decode_int8(c, SIGNED) * s[:, None]
+    else:
+        b = tl.load(data_addr.to(tl.pointer_type(tl.uint8)) + pair, mask=pmask, other=0).to(tl.int32)
+        c = tl.reshape(tl.join(b & 15, b >> 4), (NBLK, 256))
+        v = tl.load(lut_ptr + c)
+        s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
+        s = tl.reshape(tl.broadcast_to(tl.reshape(s, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
+        return v * s
+
+
+@triton.jit
+def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, levels_ptr, mids_ptr,
+                KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
+                NBLK: tl.constexpr):
+    """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales."""
+    if KIND == FP32:
+        tl.store(data_addr.to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
+    elif KIND == BF16:
+        if SR:
+            bits = x.to(tl.int32, bitcast=True)
+            noise = (random_bits(key, elem) & 0xFFFF).to(tl.int32)
+            r = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
+            x = tl.where((x == x) & (tl.abs(x) < float("inf")), r, x)
+        tl.store(data_addr.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
+    elif KIND == INT8:
+        absmax = tl.max(finite_abs(x, mask), axis=1)
+        e = pow2_exponent(absmax)
+        y = x * exp2_int(-e)[:, None]
+        if SR:
+            rb = random_bits(key, elem)
+        else:
+            rb = 0
+        codes = encode_int8(y, rb, SIGNED, SR)
+        tl.store(data_addr.to(tl.pointer_type(tl.uint8)) + elem, codes.to(tl.uint8), mask=mask)
+        tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + s8, exp2_int(e), mask=s8 >= 0)
+    else:
+        absmax = block_absmax_128(finite_abs(x, mask), NBLK)
+        safe = tl.where(absmax > 0, absmax, 1.0)
+        y = tl.math.div_rn(x, safe)
+        if SR:
+            rb = random_bits(key, elem)
+        else:
+            rb = 0
+        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR)
+        lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
+        tl.store(data_addr.to(tl.pointer_type(tl.uint8)) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+        sc = tl.max(tl.reshape(absmax, (NBLK, 2, 128)), axis=2)
+        tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + s4, sc, mask=s4mask)

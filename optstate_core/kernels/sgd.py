@@ -1,0 +1,48 @@
+"""Fused SGD-with-momentum step on an encoded momentum buffer (torch.optim.SGD semantics).
+
+The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> encode).
+"""
+import triton
+import triton.language as tl
+
+from .adam import param_pointer, tile_offsets
+from .codec_ops import load_state, store_state
+
+
+@triton.jit
+def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
+               lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
+               P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
+               LR_TENSOR: tl.constexpr, NBLK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(PROG_T + pid)
+    if CHECK_FINITE:
+        if tl.load(FLAGS + t) != 0:
+            return
+    b0 = tl.load(PROG_B + pid).to(tl.int64)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
+    p_ptr = param_pointer(tl.load(P + t), P_KIND)
+    g_ptr = param_pointer(tl.load(G + t), P_KIND)
+    p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    if LR_TENSOR:
+        lr = tl.load(lr_ptr)
+    if MAXIMIZE:
+        g = -g
+    g = g + weight_decay * p
+    m_addr = tl.load(M + t)
+    ms_addr = tl.load(MS + t)
+    if FIRST:
+        buf = g  # torch: torch.clone(grad) on the first step, no dampening
+    else:
+        buf = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
+        buf = buf * momentum + (1.0 - dampening) * g
+    if NESTEROV:
+        g = g + momentum * buf
+    else:
+        g = buf
+    p = p - lr * g
+    store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, tl.load(KEYS + 3 * t).to(tl.uint32),
+                m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK)
+    tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=mask)
