@@ -78,16 +78,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="8bit", help="optstate preset (8bit, 4bit, bf16, offload, fp32)")
     parser.add_argument("--precision", default="bf16-mixed", help="Lightning precision (32-true, bf16-mixed)")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs")
+    parser.add_argument("--samples", type=int, default=256, help="sequences per task (16 per batch)")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.perf_counter()
 
     base = TinyLM()
-    fit(base, task(256, shift=1, seed=0), 2, args.precision)
+    fit(base, task(args.samples, shift=1, seed=0), 2, args.precision)
     print(f"pretrained: loss {base.losses[0]:.3f} -> {base.losses[-1]:.3f}")
 
-    finetune = task(256, shift=7, seed=1)
+    finetune = task(args.samples, shift=7, seed=1)
     plain = copy.deepcopy(base)
     plain.losses = []
     plain_trainer = fit(plain, finetune, args.epochs, args.precision)

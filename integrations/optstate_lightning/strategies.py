@@ -36,7 +36,8 @@ class StrategyLogic:
                 if cb is not self._optstate_callback:
                     log.info("optstate: using the Trainer's OptStateCallback settings (%s)", cb.config.describe())
                 return cb
-        trainer.callbacks.append(self._optstate_callback)
+        # First, so it feeds the policy before a ModelCheckpoint saves in the same hook.
+        trainer.callbacks.insert(0, self._optstate_callback)
         return self._optstate_callback
 
     def setup_optimizers(self, trainer) -> None:

@@ -63,11 +63,15 @@ def test_same_optimizer_object_reuses_its_wrapper():
 
 
 def test_configure_optimizers_route_with_and_without_callback():
-    wrapped = Regressor(wrap=lambda opt: oc.wrap(opt, "8bit"), scheduler=True)
-    tr = trainer(max_epochs=1)
-    tr.fit(wrapped, loader())
+    wrapped = Regressor(wrap=lambda opt: oc.wrap(opt, "8bit"), scheduler=True)  # StepLR built on the wrapper
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = trainer(max_epochs=1)
+        tr.fit(wrapped, loader())
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     opt = tr.optimizers[0]
     assert isinstance(opt, oc.VirtualOptimizer) and opt.step_count == 8
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 4)
     assert wrapped.losses[-1] < wrapped.losses[0]
     # With the callback too: the user's wrapper is kept (not wrapped again) and metrics get logged.
     model, cb = Regressor(wrap=lambda opt: oc.wrap(opt, "4bit")), OptStateCallback()
@@ -297,14 +301,18 @@ def test_name_rules_see_module_parameter_names():
     assert isinstance(state[middle]["exp_avg"], oc.EncodedTensor)
 
 
-def test_strategy_by_string_wraps_and_adds_callback():
+def test_strategy_by_string_wraps_and_adds_callback(tmp_path):
     model = Regressor()
-    tr = trainer(strategy="optstate", accumulate_grad_batches=2)
+    tr = trainer(strategy="optstate", accumulate_grad_batches=2, enable_checkpointing=True,
+                 default_root_dir=tmp_path)
     assert isinstance(tr.strategy, OptStateSingleDeviceStrategy) and tr.strategy.root_device.type == "cpu"
     tr.fit(model, loader())
     opt = tr.optimizers[0]
     assert isinstance(opt, oc.VirtualOptimizer) and opt.step_count == 4
-    assert [type(c).__name__ for c in tr.callbacks].count("OptStateCallback") == 1
+    names = [type(c).__name__ for c in tr.callbacks]
+    assert names.count("OptStateCallback") == 1
+    # the added callback feeds the policy before ModelCheckpoint saves in on_train_batch_end
+    assert names.index("OptStateCallback") < names.index("ModelCheckpoint")
     assert "optstate/bits_per_param" in tr.callback_metrics
 
     tr = trainer(strategy=OptStateSingleDeviceStrategy(policy="4bit", wrap_options={"chunk_bytes": "1MB"}))
