@@ -1,4 +1,5 @@
 """optstate: optimizer-state virtualization for PyTorch (the public API, nothing else)."""
+from .checkpoint import to_plain_state_dict
 from .codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec, IdentityCodec, Int4Codec, Int8Codec,
                      Int8MomentumCodec, get_codec)
 from .optimizer import VirtualOptimizer
@@ -13,5 +14,5 @@ __all__ = [
     "wrap", "auto_wrap", "wrap_low_memory_adamw", "wrap_max_compression_adamw", "make_policy",
     "make_low_memory_policy", "PRESETS", "OptStateAdamW", "VirtualOptimizer", "OptimizerWrapper", "Policy", "WarmupPolicy",
     "AdaptiveWarmupPolicy", "ParamInfo", "Codec", "EncodedTensor", "FP32Codec", "IdentityCodec", "FP16Codec",
-    "BF16Codec", "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "__version__",
+    "BF16Codec", "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "to_plain_state_dict", "__version__",
 ]

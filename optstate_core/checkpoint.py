@@ -197,6 +197,18 @@ def decoded_param_state(st: dict, device) -> dict:
     return {k: (v.decode(device) if isinstance(v, EncodedTensor) else v) for k, v in st.items()}
 
 
+def to_plain_state_dict(state_dict: dict, device="cpu") -> dict:
+    """Decode an optstate ``state_dict`` (e.g. read from a checkpoint file) into torch's plain
+    optimizer format, without building an optimizer. Plain dicts pass through unchanged."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("state_dict must be an optimizer state_dict with 'state' and 'param_groups'")
+    state = {}
+    for pid, entry in state_dict["state"].items():
+        values = {k: unpack_value(v, f"parameter {pid}") for k, v in entry.items()}
+        state[pid] = {k: (v.decode(device) if isinstance(v, EncodedTensor) else v) for k, v in values.items()}
+    return {"state": state, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
+
+
 def export_state_dict(opt: "VirtualOptimizer", device="cpu") -> dict:
     """A torch-format state_dict with every state decoded (for the unwrapped optimizer)."""
     engine = opt._engine

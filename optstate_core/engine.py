@@ -158,6 +158,7 @@ class Engine:
         self.names = names
         self.transfers = Transfers()
         self.boundary = StepBoundary()
+        self.observe_closure_loss = True
         self.metrics = StepMetrics()
         self.nonfinite_skipped_total = 0
 

@@ -48,13 +48,16 @@ class VirtualOptimizer(torch.optim.Optimizer):
         named_parameters: ``model.named_parameters()`` or the model, for name-based rules and
             messages.
         profile: accepted for torch-optstate compatibility (timings are always collected).
+        observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
+            integration that feeds a better signal (window mean, all-reduced) turns this off.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, *,
                  chunk_bytes=DEFAULT_CHUNK_BYTES, chunk_size: Optional[int] = None,
                  initial_chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = None,
                  pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, seed: int = 0,
-                 elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False):
+                 elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
+                 observe_closure_loss: bool = True):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -76,6 +79,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
             raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if not isinstance(observe_closure_loss, bool):
+            raise ValueError(f"observe_closure_loss must be True or False, got {observe_closure_loss!r}")
         if elementwise is not None and not isinstance(elementwise, bool):
             raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
         if chunk_size is None and chunk_size_on_cuda is not None and any(
@@ -99,6 +104,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self._engine = engine
         self.state = engine.state
         optimizer.state = engine.state
+        engine.observe_closure_loss = observe_closure_loss
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
             with torch.no_grad():
@@ -112,7 +118,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = self._engine
-        if loss is not None and engine.policy.wants_loss:
+        if loss is not None and engine.policy.wants_loss and engine.observe_closure_loss:
             engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
         with torch.no_grad():
             engine.step()
@@ -175,6 +181,17 @@ class VirtualOptimizer(torch.optim.Optimizer):
         micro-batch of a gradient-accumulation window) or not. Backward-time prefetch of
         offloaded state only runs before a step. Integrations call this for you."""
         self._engine.boundary.set(bool(will_step))
+
+    @property
+    def observe_closure_loss(self) -> bool:
+        """Whether the closure's loss is fed to the policy (see the constructor option)."""
+        return self._engine.observe_closure_loss
+
+    @observe_closure_loss.setter
+    def observe_closure_loss(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"observe_closure_loss must be True or False, got {enabled!r}")
+        self._engine.observe_closure_loss = enabled
 
     @property
     def step_boundary(self) -> bool:

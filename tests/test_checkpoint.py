@@ -100,3 +100,19 @@ def test_newer_format_is_rejected():
     sd["optstate"] = dict(sd["optstate"], format_version=99)
     with pytest.raises(ValueError, match="format_version 99"):
         opt.load_state_dict(sd)
+
+
+def test_offline_decode_of_a_checkpoint_file(tmp_path):
+    model = mlp(width=128)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters()), "8bit")
+    train_steps(model, opt, 2)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    plain = oc.to_plain_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    ref = opt.export_state_dict()
+    assert plain["state"].keys() == ref["state"].keys()
+    for pid in plain["state"]:
+        for k, v in plain["state"][pid].items():
+            assert torch.equal(v, ref["state"][pid][k])
+    torch.optim.AdamW(mlp(width=128).parameters()).load_state_dict(plain)
+    with pytest.raises(ValueError, match="param_groups"):
+        oc.to_plain_state_dict({"state": {}})

@@ -108,10 +108,9 @@ class CallbackLogic:
     def _take_over_loss_feed(opt: oc.VirtualOptimizer) -> bool:
         """Policies that want the loss get it from this callback (window mean, all ranks), not
         from each rank's closure; returns whether this optimizer's policy wants it."""
-        policy = opt.policy
-        if not getattr(type(policy), "wants_loss", False):
+        if not opt.policy.wants_loss:
             return False
-        policy.wants_loss = False  # the core then leaves the closure's per-rank loss alone
+        opt.observe_closure_loss = False  # the core then leaves the closure's per-rank loss alone
         return True
 
     # -- Callback hooks ------------------------------------------------------------------------
