@@ -86,7 +86,7 @@ def build_state_dict(opt: "VirtualOptimizer") -> dict:
     out = {"state": state, "param_groups": groups,
            "optstate": {"format_version": FORMAT_VERSION, "step": engine.step_count,
                         "policy": engine.policy.state_dict(), "seed": engine.seed,
-                        "nonfinite_skipped": engine.nonfinite_skipped_total}}
+                        "nonfinite_skipped": engine.nonfinite_skipped()}}
     for hook in opt._optimizer_state_dict_post_hooks.values():
         result = hook(opt, out)
         if result is not None:
@@ -177,7 +177,8 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
         g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
     if meta is not None:
         engine.step_count = int(meta.get("step", 0))
-        engine.nonfinite_skipped_total = int(meta.get("nonfinite_skipped", 0))
+        engine.nonfinite_host = int(meta.get("nonfinite_skipped", 0))
+        engine.fused.nonfinite_device = None
         engine.policy.load_state_dict(meta.get("policy", {}))
     else:
         engine.step_count = _infer_step(new_state)

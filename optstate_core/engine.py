@@ -27,6 +27,7 @@ import torch
 
 from .codecs import EncodedTensor
 from .codecs.rounding import RoundingContext, state_seed, stream_key
+from .fused import FusedPath
 from .policy import ParamInfo, Policy
 from .store import ParamState, StateMap, allocate, copy_scalar, is_scalar_state, matches
 from .transfer import Transfers
@@ -67,6 +68,8 @@ class StepMetrics:
     d2h_bytes: int = 0
     nonfinite_skipped: int = 0
     peak_materialized_bytes: int = 0  # largest full-precision state decoded at once (one chunk)
+    fused_params: int = 0  # parameters stepped by the fused kernels
+    kernel_launches: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -143,7 +146,8 @@ class Engine:
 
     def __init__(self, inner: torch.optim.Optimizer, policy: Policy, *, chunk_bytes: int, chunk_size: Optional[int],
                  initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
-                 elementwise: Optional[bool], names: Dict[int, str]):
+                 elementwise: Optional[bool], names: Dict[int, str], fused: Optional[bool] = None,
+                 stochastic_param_rounding: bool = False):
         self.inner = inner
         self.policy = policy
         self.state = StateMap()
@@ -157,10 +161,12 @@ class Engine:
         self.elementwise = isinstance(inner, ELEMENTWISE) if elementwise is None else bool(elementwise)
         self.names = names
         self.transfers = Transfers()
+        self.fused = FusedPath(self, fused, stochastic_param_rounding)
         self.boundary = StepBoundary()
         self.observe_closure_loss = True
         self.metrics = StepMetrics()
-        self.nonfinite_skipped_total = 0
+        self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
+        self._nonfinite_reported = 0
 
     # -- the parameters, as they are now ------------------------------------------------------
     def param_infos(self):
@@ -188,8 +194,6 @@ class Engine:
             if g.is_complex() != p.is_complex():
                 raise ValueError(f"{describe_param(info)}: gradient and parameter disagree on being complex")
             works.append(Work(p, info, self.state[p] if p in self.state else ParamState()))
-        if self.skip_nonfinite and works:
-            works = self._drop_nonfinite(works)
         return works
 
     def _drop_nonfinite(self, works: List[Work]) -> List[Work]:
@@ -206,7 +210,7 @@ class Engine:
         kept = [w for w, ok in zip(works, finite) if ok]
         skipped = len(works) - len(kept)
         if skipped:
-            self.nonfinite_skipped_total += skipped
+            self.nonfinite_host += skipped
             names = ", ".join(describe_param(w.info) for w, ok in zip(works, finite) if not ok)
             log.warning("step %d: non-finite gradient, update skipped for %s", self.step_count, names)
         self.metrics.nonfinite_skipped = skipped
@@ -218,9 +222,24 @@ class Engine:
         self.metrics = StepMetrics()
         self.transfers.reset()
         works = self.collect()
-        passthrough, tiled = [], []
+        passthrough, fused, tiled = [], [], []
         for w in works:
-            (tiled if self._needs_tiles(w) else passthrough).append(w)
+            if not self._needs_tiles(w):
+                passthrough.append(w)
+                continue
+            plan = self.fused.plan(w)
+            if plan is not None:
+                fused.append((w, plan))
+            else:
+                tiled.append(w)
+        if self.skip_nonfinite and (passthrough or tiled):  # the fused path flags on the device
+            kept = {id(w) for w in self._drop_nonfinite(passthrough + tiled)}
+            passthrough = [w for w in passthrough if id(w) in kept]
+            tiled = [w for w in tiled if id(w) in kept]
+        if fused:
+            t = time.perf_counter()
+            self.fused.run(fused)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if passthrough:
             t = time.perf_counter()
             self._run_inner([(w.param, w.state, w.info.group_index) for w in passthrough], use_real_state=True)
@@ -231,6 +250,16 @@ class Engine:
         self.metrics.h2d_bytes = self.transfers.h2d_bytes
         self.metrics.d2h_bytes = self.transfers.d2h_bytes
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+
+    def nonfinite_skipped(self) -> int:
+        """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""
+        device = self.fused.nonfinite_device
+        total = self.nonfinite_host + (int(device.item()) if device is not None else 0)
+        if device is not None and total > self._nonfinite_reported:
+            log.warning("optstate: %d parameter updates skipped for non-finite gradients so far",
+                        total)
+        self._nonfinite_reported = total
+        return total
 
     def _needs_tiles(self, w: Work) -> bool:
         tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v)}

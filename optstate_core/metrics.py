@@ -55,7 +55,7 @@ def memory_report(opt: "VirtualOptimizer") -> dict:
         "bits_per_param": bits_per_param(state_bytes, n_params),
         "step": engine.step_count,
         "compression_active": engine.policy.active(max(engine.step_count - 1, 0)),  # phase of the last step
-        "nonfinite_skipped": engine.nonfinite_skipped_total,
+        "nonfinite_skipped": engine.nonfinite_skipped(),
         "last_step": engine.metrics.as_dict(),
     }
 

@@ -48,6 +48,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
         named_parameters: ``model.named_parameters()`` or the model, for name-based rules and
             messages.
         profile: accepted for torch-optstate compatibility (timings are always collected).
+        fused: use the fused Triton kernels where they apply (None: automatically on CUDA;
+            True: also on the CPU under ``TRITON_INTERPRET=1``; False: never).
+        stochastic_param_rounding: on the fused path, round updated bf16 parameters
+            stochastically (counter hash) instead of to nearest.
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
             integration that feeds a better signal (window mean, all-reduced) turns this off.
     """
@@ -57,7 +61,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  initial_chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = None,
                  pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, seed: int = 0,
                  elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
-                 observe_closure_loss: bool = True):
+                 observe_closure_loss: bool = True, fused: Optional[bool] = None,
+                 stochastic_param_rounding: bool = False):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -79,6 +84,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
             raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if fused is not None and not isinstance(fused, bool):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        if not isinstance(stochastic_param_rounding, bool):
+            raise ValueError(f"stochastic_param_rounding must be True or False, got {stochastic_param_rounding!r}")
         if not isinstance(observe_closure_loss, bool):
             raise ValueError(f"observe_closure_loss must be True or False, got {observe_closure_loss!r}")
         if elementwise is not None and not isinstance(elementwise, bool):
@@ -93,7 +102,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
 
         engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
                         initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
-                        skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names)
+                        skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names,
+                        fused=fused, stochastic_param_rounding=stochastic_param_rounding)
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups
         super().__init__(optimizer.param_groups, optimizer.defaults)

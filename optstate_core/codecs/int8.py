@@ -67,7 +67,7 @@ class MinifloatMap:
         normal = ((bits + half) >> self.shift) - self.code_offset
         if self.signed:
             u = ((rbits >> 8).to(torch.float32) * 2.0 ** -24) if rbits is not None else 0.5
-            sub = torch.floor(a * self.sub_mult + u).to(torch.int32)
+            sub = torch.floor(a.clamp(max=1.0) * self.sub_mult + u).to(torch.int32)
             mag = torch.where(a >= self.normal_min, normal, sub).clamp_(0, self.max_mag)
             return torch.where((y < 0) & (mag > 0), mag | 0x80, mag)
         return torch.where(a > 0, normal.clamp_(1, self.max_mag), 0)

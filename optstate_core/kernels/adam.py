@@ -11,7 +11,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 import triton
 import triton.language as tl
 
-from .codec_ops import FP32, load_state, random_bits, store_state
+from .codec_ops import load_state, random_bits, round_to_bf16, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
@@ -26,6 +26,18 @@ def param_pointer(addr, P_KIND: tl.constexpr):
         return addr.to(tl.pointer_type(tl.float16))
     else:
         return addr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def store_param(p, p_ptr, elem, mask, key_ptr, P_KIND: tl.constexpr, P_SR: tl.constexpr):
+    """Store updated fp32 values into the parameter's dtype (bf16: nearest-even or stochastic)."""
+    if P_KIND == P_BF16:
+        if P_SR:
+            rb = random_bits(tl.load(key_ptr).to(tl.uint32), elem)
+        else:
+            rb = 0
+        p = round_to_bf16(p, rb, P_SR)
+    tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -119,21 +131,17 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
         denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - step_size * tl.math.div_rn(m, denom)
 
-    m_key = tl.load(KEYS + 3 * t).to(tl.uint32)
-    v_key = tl.load(KEYS + 3 * t + 1).to(tl.uint32)
+    m_key = tl.load(KEYS + 4 * t).to(tl.uint32)
+    v_key = tl.load(KEYS + 4 * t + 1).to(tl.uint32)
     store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, m_levels, m_mids,
                 M_KIND, True, M_SR, M_LEVELS, NBLK)
     store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, v_levels, v_mids,
                 V_KIND, False, V_SR, V_LEVELS, NBLK)
     if AMSGRAD:
-        store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, v_levels, v_mids,
+        vm_key = tl.load(KEYS + 4 * t + 2).to(tl.uint32)
+        store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, vm_key, v_levels, v_mids,
                     V_KIND, False, V_SR, V_LEVELS, NBLK)
-    if P_SR:
-        bits = p.to(tl.int32, bitcast=True)
-        noise = (random_bits(tl.load(KEYS + 3 * t + 2).to(tl.uint32), elem) & 0xFFFF).to(tl.int32)
-        r = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
-        p = tl.where((p == p) & (tl.abs(p) < float("inf")), r, p)
-    tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=mask)
+    store_param(p, p_ptr, elem, mask, KEYS + 4 * t + 3, P_KIND, P_SR)
 
 
 @triton.jit

@@ -38,6 +38,19 @@ def random_bits(key, idx):
 
 
 @triton.jit
+def round_to_bf16(x, rbits, SR: tl.constexpr):
+    """float32 values on the bf16 grid (nearest-even, or stochastic from ``rbits``), so that the
+    final conversion is exact whatever rounding the backend's cast uses."""
+    bits = x.to(tl.int32, bitcast=True)
+    if SR:
+        add = (rbits & 0xFFFF).to(tl.int32)
+    else:
+        add = 0x7FFF + ((bits >> 16) & 1)
+    r = ((bits + add) & -65536).to(tl.float32, bitcast=True)
+    return tl.where((x == x) & (tl.abs(x) < float("inf")), r, x)
+
+
+@triton.jit
 def finite_abs(x, mask):
     a = tl.abs(x)
     return tl.where(mask & (a == a) & (a < float("inf")), a, 0.0)
@@ -91,7 +104,7 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
             u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
         else:
             u = 0.5
-        sub = tl.floor(a * 262144.0 + u).to(tl.int32)
+        sub = tl.floor(tl.minimum(a, 1.0) * 262144.0 + u).to(tl.int32)
         mag = tl.where(a >= 3.0517578125e-05, normal, sub)
         mag = tl.minimum(tl.maximum(mag, 0), 127)
         return tl.where((y < 0) & (mag > 0), mag | 128, mag)
@@ -138,12 +151,6 @@ def block_absmax_128(a, NBLK: tl.constexpr):
     return tl.reshape(tl.broadcast_to(tl.reshape(m, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
 
 
-@triton.jit
-def half_index(NBLK: tl.constexpr):
-    """[NBLK, 2] index of the two 128-element halves of each 256-element tile row."""
-    return tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
-
-
 # -- load / store one state tile of any kind --------------------------------------------------------
 @triton.jit
 def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, lut_ptr,
@@ -176,10 +183,10 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         tl.store(data_addr.to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
     elif KIND == BF16:
         if SR:
-            bits = x.to(tl.int32, bitcast=True)
-            noise = (random_bits(key, elem) & 0xFFFF).to(tl.int32)
-            r = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
-            x = tl.where((x == x) & (tl.abs(x) < float("inf")), r, x)
+            rb = random_bits(key, elem)
+        else:
+            rb = 0
+        x = round_to_bf16(x, rb, SR)
         tl.store(data_addr.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
     elif KIND == INT8:
         absmax = tl.max(finite_abs(x, mask), axis=1)
@@ -201,6 +208,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         else:
             rb = 0
         codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR)
+        codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
         lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
         tl.store(data_addr.to(tl.pointer_type(tl.uint8)) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
         sc = tl.max(tl.reshape(absmax, (NBLK, 2, 128)), axis=2)

@@ -5,7 +5,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import param_pointer, tile_offsets
+from .adam import param_pointer, store_param, tile_offsets
 from .codec_ops import load_state, store_state
 
 
@@ -43,6 +43,6 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
     else:
         g = buf
     p = p - lr * g
-    store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, tl.load(KEYS + 3 * t).to(tl.uint32),
+    store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, tl.load(KEYS + 4 * t).to(tl.uint32),
                 m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK)
-    tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=mask)
+    store_param(p, p_ptr, elem, mask, KEYS + 4 * t + 3, P_KIND, False)

@@ -1,0 +1,61 @@
+"""Launch helpers: pointer tables and per-program work lists for the multi-tensor kernels.
+
+A launch covers T tensors. Each tensor is seen as a ``[rows, cols]`` slab cut into 256-column
+tiles (row-major); program ``i`` updates ``NBLK`` consecutive tiles of tensor ``PROG_T[i]``
+starting at tile ``PROG_B[i]``. Tables live on the device; pointer tables are rebuilt each step
+(gradients and payloads may move) through pinned memory without a host synchronisation, the
+shape tables are cached by shapes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+TILE = 256
+_SHAPE_CACHE: Dict[tuple, Tuple[torch.Tensor, ...]] = {}
+
+
+def slab(shape) -> Tuple[int, int]:
+    numel = math.prod(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    return rows, (numel // rows if rows else 0)
+
+
+def device_table(values: Sequence[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """A small integer table on ``device`` (async copy from pinned memory on CUDA)."""
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
+    """(COLS, NBR, NBLOCKS, PROG_T, PROG_B, n_programs) for tensors of these shapes."""
+    key = (tuple(shapes), nblk, str(device))
+    hit = _SHAPE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    cols, nbr, nblocks, prog_t, prog_b = [], [], [], [], []
+    for t, shape in enumerate(shapes):
+        rows, c = slab(shape)
+        per_row = -(-c // TILE)
+        total = rows * per_row
+        cols.append(c)
+        nbr.append(max(per_row, 1))
+        nblocks.append(total)
+        n_prog = -(-total // nblk)
+        prog_t.extend([t] * n_prog)
+        prog_b.extend(range(0, n_prog * nblk, nblk))
+    out = (device_table(cols, device), device_table(nbr, device), device_table(nblocks, device),
+           device_table(prog_t, device, torch.int32), device_table(prog_b, device, torch.int32), len(prog_t))
+    if len(_SHAPE_CACHE) > 256:
+        _SHAPE_CACHE.clear()
+    _SHAPE_CACHE[key] = out
+    return out
+
+
+def pointer_table(tensors: Sequence, device: torch.device) -> torch.Tensor:
+    """Addresses of tensors (None -> 0) as an int64 device table."""
+    return device_table([t.data_ptr() if t is not None else 0 for t in tensors], device)

@@ -1,0 +1,154 @@
+"""The fused Adam/AdamW/SGD kernels against the reference path (decode -> torch step -> encode).
+
+Stated bounds: parameters agree within fp32 round-off (|diff| <= 1e-6 + 1e-6 |p|: the kernel
+computes bias corrections in fp32 on the device and may fuse multiply-adds); encoded states
+agree code for code except where fp32 round-off moves a value across a rounding boundary
+(at most 0.5% of codes, each such code one quantization step away). For bf16 parameters torch
+rounds the decoded state to bf16 between its ops while the kernel keeps fp32: up to 10% of codes
+then differ, again by one step.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+import optstate_core as oc
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(24, 700), (257,), (1, 1), (3, 256), (6, 130)]
+
+
+def params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(DEVICE, dtype)) for s in SHAPES]
+
+
+def set_grads(ps, seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    for p in ps:
+        p.grad = (torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))).to(DEVICE, p.dtype)
+
+
+def policy(m, v):
+    return oc.WarmupPolicy(warmup_steps=0, momentum_codec=m, variance_codec=v, min_int8_elements=0)
+
+
+def build(ps, cls, kw, pol, fused):
+    return oc.wrap(cls(ps, **kw), pol, fused=fused)
+
+
+def compare_states(ref_opt, opt, ref_ps, ps, min_same=0.995):
+    for rp, p in zip(ref_ps, ps):
+        for key, rv in ref_opt.state[rp].items():
+            v = opt.state[p][key]
+            if isinstance(rv, oc.EncodedTensor):
+                assert isinstance(v, oc.EncodedTensor) and v.codec == rv.codec
+                data = "codes" if "codes" in rv.payload else "data"
+                same = (rv.payload[data] == v.payload[data]).float().mean().item()
+                assert same >= min_same, (key, same)
+                a, b = rv.decode(dtype=torch.float32), v.decode(dtype=torch.float32)
+                step = a.abs().amax() / 8  # one int4 step at most (int8/bf16 steps are much smaller)
+                assert ((a - b).abs() <= step + 1e-30).all(), key
+            elif isinstance(rv, torch.Tensor) and rv.dim() > 0:
+                torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-7)
+            else:
+                assert float(v) == float(rv), key
+
+
+def run_pair(cls, kw, pol_fn, steps_before=2, dtype=torch.float32):
+    ref_ps = params(dtype=dtype)
+    ref = build(ref_ps, cls, kw, pol_fn(), fused=False)
+    for s in range(steps_before):
+        set_grads(ref_ps, s)
+        ref.step()
+    ps = [torch.nn.Parameter(p.detach().clone()) for p in ref_ps]
+    opt = build(ps, cls, kw, pol_fn(), fused=True)
+    if steps_before:
+        opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # like torch, loading aliases the tensors
+    for s in range(steps_before, steps_before + 2):
+        set_grads(ref_ps, s)
+        set_grads(ps, s)
+        ref.step()
+        opt.step()
+        assert opt.last_step_timings["fused_params"] == len(SHAPES)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        for rp, p in zip(ref_ps, ps):
+            torch.testing.assert_close(p.float(), rp.float(), rtol=tol, atol=tol)
+        # bf16 parameters: torch keeps the decoded state in bf16 between its ops, the kernel in fp32
+        compare_states(ref, opt, ref_ps, ps, min_same=0.995 if dtype == torch.float32 else 0.9)
+    return ref, opt
+
+
+CODEC_PAIRS = [("int8", "int8"), ("int4", "int4"), ("bf16", "bf16"), ("int8", "fp32"), ("int4", "int8"),
+               (oc.Int8Codec(stochastic_rounding=True), oc.Int4Codec(stochastic_rounding=True)),
+               (oc.BF16Codec(stochastic_rounding=True), "int8")]
+
+
+@pytest.mark.parametrize("m,v", CODEC_PAIRS, ids=lambda c: c if isinstance(c, str) else f"{c.name}-sr")
+def test_adamw_matches_reference(m, v):
+    run_pair(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), lambda: policy(m, v))
+
+
+@pytest.mark.parametrize("kw", [dict(lr=1e-2, amsgrad=True, weight_decay=1e-2), dict(lr=1e-2, maximize=True),
+                                dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)],
+                         ids=["amsgrad-l2", "maximize", "betas"])
+def test_adam_options_match_reference(kw):
+    run_pair(torch.optim.Adam, kw, lambda: policy("int8", "int8"))
+
+
+def test_first_step_matches_reference():
+    run_pair(torch.optim.AdamW, dict(lr=1e-2), lambda: policy("int4", "int8"), steps_before=0)
+
+
+@pytest.mark.parametrize("kw", [dict(lr=0.1, momentum=0.9), dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+                                dict(lr=0.1, momentum=0.5, dampening=0.3, maximize=True)],
+                         ids=["momentum", "nesterov-wd", "dampening-maximize"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
+def test_sgd_matches_reference(kw, codec):
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0)  # noqa: E731
+    run_pair(torch.optim.SGD, kw, pol)
+    run_pair(torch.optim.SGD, kw, pol, steps_before=0)
+
+
+def test_bf16_parameters():
+    run_pair(torch.optim.AdamW, dict(lr=1e-2), lambda: policy("int8", "int8"), dtype=torch.bfloat16)
+
+
+def test_nonfinite_gradient_skipped_inside_the_kernel():
+    ps = params()
+    opt = build(ps, torch.optim.AdamW, dict(lr=1e-2), policy("int8", "int8"), fused=True)
+    set_grads(ps, 0)
+    opt.step()
+    set_grads(ps, 1)
+    ps[0].grad[3, 5] = float("nan")
+    ps[2].grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in ps]
+    state0 = opt.state[ps[0]]["exp_avg"].clone()
+    opt.step()
+    assert torch.equal(ps[0], before[0]) and torch.equal(ps[2], before[2])
+    assert torch.equal(opt.state[ps[0]]["exp_avg"].payload["codes"], state0.payload["codes"])
+    assert float(opt.state[ps[0]]["step"]) == 1.0 and float(opt.state[ps[1]]["step"]) == 2.0
+    assert not torch.equal(ps[1], before[1])
+    assert opt.memory_report()["nonfinite_skipped"] == 2
+
+
+def test_fallback_is_logged_once(caplog):
+    ps = params()
+    opt = build(ps, torch.optim.AdamW, dict(lr=1e-2), policy("int8", "int8"), fused=None if DEVICE == "cpu" else False)
+    with caplog.at_level(logging.INFO, logger="optstate"):
+        for s in range(2):
+            set_grads(ps, s)
+            opt.step()
+    assert opt.last_step_timings["fused_params"] == 0
+    if DEVICE == "cpu":
+        assert caplog.text.count("reference path") == 1 and "need CUDA" in caplog.text
+
+
+def test_unsupported_optimizer_falls_back():
+    ps = params()
+    opt = build(ps, torch.optim.NAdam, dict(lr=1e-2), policy("int8", "int8"), fused=True)
+    set_grads(ps, 0)
+    opt.step()
+    assert opt.last_step_timings["fused_params"] == 0 and opt.step_count == 1
