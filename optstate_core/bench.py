@@ -61,6 +61,9 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
         "optstate int8": Config("int8", _wrapped("8bit")),
         "optstate 4bit": Config("4bit", _wrapped("4bit")),
         "optstate int8 offloaded": Config("int8_offload", _wrapped("offload"), offloaded=True),
+        "optstate fp32, skip_nonfinite=False": Config("fp32_nocheck", _wrapped("fp32", skip_nonfinite=False)),
+        "optstate int8, skip_nonfinite=False": Config("int8_nocheck", _wrapped("8bit", skip_nonfinite=False)),
+        "optstate 4bit, skip_nonfinite=False": Config("4bit_nocheck", _wrapped("4bit", skip_nonfinite=False)),
     }
     if compare:
         out.update(_third_party(device))
@@ -175,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of configuration short names (adamw,fp32,bf16,int8,4bit,"
                              "int8_offload; with --compare also bnb8,bnb_paged8,ao8,ao4)")
     parser.add_argument("--compare", action="store_true", help="add bitsandbytes / torchao when installed")
+    parser.add_argument("--tune", default=None,
+                        help="kernel launch shapes to try for the fused configurations, e.g. '2x4,4x4,8x8' "
+                             "(tiles of 256 per program x warps); each adds rows")
+    parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     parser.add_argument("--budget-fraction", type=float, default=1 / 16,
                         help="gpu_budget for budgeted configurations, as a fraction of fp32 AdamW state")
 
@@ -189,16 +196,32 @@ def run(args) -> int:
         table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
     bandwidth = pinned_bandwidth(device)
     rows = []
+    from . import fused
+    shapes_to_try = [(fused.NBLK, fused.NUM_WARPS)]
+    if args.tune:
+        shapes_to_try = [tuple(int(x) for x in item.split("x")) for item in args.tune.split(",")]
     for label, cfg in table.items():
-        log.info("bench: %s", label)
-        try:
-            r = bench_one(cfg, shapes, device, args.steps, args.warmup)
-        except Exception as e:  # keep the table going; report the failure in its row
-            log.warning("bench: %s failed: %s", label, e)
-            rows.append((label, cfg, None))
-            continue
-        rows.append((label, cfg, r))
+        variants = shapes_to_try if cfg.name not in ("adamw",) and not cfg.name.startswith(("bnb", "ao")) else [None]
+        for variant in variants:
+            name = label
+            if variant is not None:
+                fused.NBLK, fused.NUM_WARPS = variant
+                if len(variants) > 1:
+                    name = f"{label} [{variant[0]}x256, {variant[1]} warps]"
+            log.info("bench: %s", name)
+            try:
+                r = bench_one(cfg, shapes, device, args.steps, args.warmup)
+            except Exception as e:  # keep the table going; report the failure in its row
+                log.warning("bench: %s failed: %s", name, e)
+                rows.append((name, cfg, None))
+                continue
+            rows.append((name, cfg, r))
     print_table(rows, device, bandwidth)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"device": _device_name(device), "torch": torch.__version__, "bandwidth": bandwidth,
+                       "rows": [{"config": n, **(r or {})} for n, _, r in rows]}, f, indent=1)
     return 0
 
 

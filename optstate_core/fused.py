@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -27,7 +28,8 @@ log = logging.getLogger("optstate")
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-NBLK = 4  # 256-element tiles per program
+NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))  # 256-element tiles per program
+NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
 
 
 def state_kind(codec) -> Optional[int]:
@@ -172,9 +174,13 @@ class FusedPath:
         P = launch.pointer_table([w.param for w in ws], device)
         G = launch.pointer_table([w.grad for w in ws], device)
         step = engine.step_count
-        names = (list(plan["keys"]) + [plan["keys"][-1]] * 3)[:3] + ["param"]  # m, v, vmax, param
-        keys = [stream_key(state_seed(engine.seed, w.info.index, name), step) for w in ws for name in names]
-        KEYS = launch.device_table(keys, device)
+        sr = any(c.stochastic_rounding for c in plan["codecs"]) or self.stochastic_param_rounding
+        if sr:  # per-step stream keys of the counter hash: m, v, vmax, param
+            names = (list(plan["keys"]) + [plan["keys"][-1]] * 3)[:3] + ["param"]
+            KEYS = launch.device_table([stream_key(state_seed(engine.seed, w.info.index, name), step)
+                                        for w in ws for name in names], device)
+        else:
+            KEYS = launch.cached_table([0] * (4 * n), device)
         check = engine.skip_nonfinite
         flags = torch.zeros(n if check else 1, dtype=torch.int32, device=device)
         p_kind = P_KINDS[ws[0].param.dtype]
@@ -206,7 +212,7 @@ class FusedPath:
                 P_SR=self.stochastic_param_rounding and p_kind == 1,
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), MAXIMIZE=bool(group.get("maximize")),
-                FIRST=plan["first"], CHECK_FINITE=check, LR_TENSOR=lr_tensor, NBLK=NBLK)
+                FIRST=plan["first"], CHECK_FINITE=check, LR_TENSOR=lr_tensor, NBLK=NBLK, num_warps=NUM_WARPS)
             advance_steps_kernel[(n,)](STEPS, flags, CHECK_FINITE=check)
         else:
             sgd_kernel[(n_prog,)](
@@ -215,7 +221,7 @@ class FusedPath:
                 *m_tables, P_KIND=p_kind, M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), NESTEROV=bool(group["nesterov"]),
                 MAXIMIZE=bool(group.get("maximize")), FIRST=plan["first"], CHECK_FINITE=check,
-                LR_TENSOR=lr_tensor, NBLK=NBLK)
+                LR_TENSOR=lr_tensor, NBLK=NBLK, num_warps=NUM_WARPS)
         if check:
             total = flags.sum()
             self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total

@@ -15,6 +15,7 @@ import torch
 
 TILE = 256
 _SHAPE_CACHE: Dict[tuple, Tuple[torch.Tensor, ...]] = {}
+_TABLE_CACHE: Dict[tuple, torch.Tensor] = {}
 
 
 def slab(shape) -> Tuple[int, int]:
@@ -57,5 +58,16 @@ def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
 
 
 def pointer_table(tensors: Sequence, device: torch.device) -> torch.Tensor:
-    """Addresses of tensors (None -> 0) as an int64 device table."""
-    return device_table([t.data_ptr() if t is not None else 0 for t in tensors], device)
+    """Addresses of tensors (None -> 0) as an int64 device table, reused while the addresses stay
+    the same (no copy at all in steady state, which also keeps a captured CUDA graph valid)."""
+    return cached_table([t.data_ptr() if t is not None else 0 for t in tensors], device)
+
+
+def cached_table(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    key = (tuple(values), str(device))
+    table = _TABLE_CACHE.get(key)
+    if table is None:
+        if len(_TABLE_CACHE) > 1024:
+            _TABLE_CACHE.clear()
+        table = _TABLE_CACHE[key] = device_table(values, device)
+    return table

@@ -1,0 +1,69 @@
+"""Real-GPU checks (skipped without CUDA): the fused step never syncs with the host, is captured
+in a CUDA graph, and is picked automatically. (tests/kernels also run on the GPU when present.)"""
+import pytest
+import torch
+
+import optstate_core as oc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPES = [(512, 1024), (4096,), (300, 700), (7,)]
+
+
+def setup(preset, lr=1e-3, **kw):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-2
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=lr), oc.make_policy(preset, min_int8_elements=0), **kw)
+    return ps, opt
+
+
+@pytest.mark.parametrize("preset", ["8bit", "4bit", "bf16"])
+def test_fused_step_is_automatic_and_never_syncs(preset):
+    ps, opt = setup(preset)
+    opt.step()  # first step allocates state
+    assert opt.last_step_timings["fused_params"] == len(SHAPES)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.last_step_timings["fused_params"] == len(SHAPES)
+
+
+def test_fused_step_in_a_cuda_graph():
+    ps, opt = setup("8bit", lr=torch.tensor(1e-3, device="cuda"))
+    twin_ps, twin = setup("8bit", lr=torch.tensor(1e-3, device="cuda"))
+    for o in (opt, twin):
+        for _ in range(2):
+            o.step()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()  # warm the pointer tables on this stream
+        twin.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(3):
+        graph.replay()
+        twin.step()
+    torch.cuda.synchronize()
+    for p, q in zip(ps, twin_ps):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert float(opt.state[ps[0]]["step"]) == float(twin.state[twin_ps[0]]["step"])
+
+
+def test_nonfinite_skip_on_gpu():
+    ps, opt = setup("8bit")
+    opt.step()
+    ps[1].grad[5] = float("nan")
+    before = ps[1].detach().clone()
+    opt.step()
+    assert torch.equal(ps[1], before)
+    assert opt.memory_report()["nonfinite_skipped"] == 1
