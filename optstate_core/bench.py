@@ -160,11 +160,13 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
             opt.step()
             times.append((time.perf_counter() - t) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else float("nan")
-    encoded = opt.memory_report()["state_bytes"] if hasattr(opt, "memory_report") else None
+    report = opt.memory_report() if hasattr(opt, "memory_report") else None
+    encoded = report["state_bytes"] if report else None
     del opt, params
     gc.collect()
     return {"n_params": n, "bits_per_param": 8.0 * held / n, "step_ms": statistics.median(times),
-            "peak_extra_bytes": peak, "encoded_bytes": encoded}
+            "peak_extra_bytes": peak, "encoded_bytes": encoded,
+            "encoded_bits_per_param": 8.0 * report["device_bytes"] / n if report else None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,21 +232,22 @@ def print_table(rows, device, bandwidth) -> None:
     n = next((r["n_params"] for _, _, r in rows if r), 0)
     print(f"\noptimizer step, {n / 1e9:.3f}B fp32 params, device {_device_name(device)}, "
           f"torch {torch.__version__}")
-    head = f"| {'configuration':<30} | state bits/param | step ms | x {'fused' if device.type == 'cuda' else 'foreach'}" \
-           f" | peak extra MB | PCIe floor ms |"
+    head = f"| {'configuration':<30} | state bits/param | encoded bits/param | step ms | " \
+           f"x {'fused' if device.type == 'cuda' else 'foreach'} | peak extra MB | PCIe floor ms |"
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for label, cfg, r in rows:
         if r is None:
-            print(f"| {label:<30} | failed | | | | |")
+            print(f"| {label:<30} | failed | | | | | |")
             continue
         ratio = r["step_ms"] / ref["step_ms"] if ref else float("nan")
         floor = ""
         if cfg.offloaded and r["encoded_bytes"] and bandwidth == bandwidth:
             floor = f"{2 * r['encoded_bytes'] / bandwidth * 1e3:.1f}"
         peak = "" if r["peak_extra_bytes"] != r["peak_extra_bytes"] else f"{r['peak_extra_bytes'] / 2**20:.0f}"
-        print(f"| {label:<30} | {r['bits_per_param']:15.2f} | {r['step_ms']:7.2f} | {ratio:7.2f} | {peak:>13} |"
-              f" {floor:>13} |")
+        enc = "" if r.get("encoded_bits_per_param") is None else f"{r['encoded_bits_per_param']:.2f}"
+        print(f"| {label:<30} | {r['bits_per_param']:15.2f} | {enc:>18} | {r['step_ms']:7.2f} | {ratio:7.2f} |"
+              f" {peak:>13} | {floor:>13} |")
     if bandwidth == bandwidth:
         print(f"pinned host<->device bandwidth: {bandwidth / 1e9:.1f} GB/s")
 

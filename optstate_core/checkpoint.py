@@ -171,6 +171,7 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
         new_state[param] = st
 
     # Everything validated: commit.
+    engine.invalidate_plan()
     engine.state.clear()
     engine.state.update(new_state)
     for g, sg in zip(groups, saved_groups):

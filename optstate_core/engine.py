@@ -165,6 +165,7 @@ class Engine:
         self.boundary = StepBoundary()
         self.observe_closure_loss = True
         self.metrics = StepMetrics()
+        self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
 
@@ -221,6 +222,22 @@ class Engine:
         t0 = time.perf_counter()
         self.metrics = StepMetrics()
         self.transfers.reset()
+        signature = self._signature()
+        buckets = self._cached_buckets(signature)
+        if buckets is None:
+            buckets = self._plan_and_run(signature)
+        if buckets:
+            t = time.perf_counter()
+            for bucket in buckets:
+                self.fused.launch(bucket)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        self.step_count += 1
+        self.metrics.h2d_bytes = self.transfers.h2d_bytes
+        self.metrics.d2h_bytes = self.transfers.d2h_bytes
+        self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+
+    def _plan_and_run(self, signature):
+        """Plan this step from scratch; run the reference paths; return the fused buckets."""
         works = self.collect()
         passthrough, fused, tiled = [], [], []
         for w in works:
@@ -232,24 +249,65 @@ class Engine:
                 fused.append((w, plan))
             else:
                 tiled.append(w)
+        if fused and passthrough and self.skip_nonfinite:
+            # uncompressed tensors next to fused ones (small-tensor bypass): step them in the
+            # kernel too, so the step needs no host synchronisation for the NaN/inf check
+            still = []
+            for w in passthrough:
+                plan = self.fused.plan(w, allow_uncompressed=True)
+                (fused.append((w, plan)) if plan is not None else still.append(w))
+            passthrough = still
         if self.skip_nonfinite and (passthrough or tiled):  # the fused path flags on the device
             kept = {id(w) for w in self._drop_nonfinite(passthrough + tiled)}
             passthrough = [w for w in passthrough if id(w) in kept]
             tiled = [w for w in tiled if id(w) in kept]
-        if fused:
-            t = time.perf_counter()
-            self.fused.run(fused)
-            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        buckets = self.fused.build(fused) if fused else []
         if passthrough:
             t = time.perf_counter()
             self._run_inner([(w.param, w.state, w.info.group_index) for w in passthrough], use_real_state=True)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if tiled:
             self._run_tiled(tiled, update=True)
-        self.step_count += 1
-        self.metrics.h2d_bytes = self.transfers.h2d_bytes
-        self.metrics.d2h_bytes = self.transfers.d2h_bytes
-        self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+        cacheable = buckets and not passthrough and not tiled and not any(b.first for b in buckets) \
+            and len(fused) == len(works)
+        self._plan_cache = (signature, buckets, self._state_identity(buckets)) if cacheable else None
+        return buckets
+
+    def _signature(self):
+        """What a cached plan depends on besides the state objects: the parameters with
+        gradients, group options that change eligibility, and the policy's decisions now."""
+        parts = []
+        for g in self.inner.param_groups:
+            parts.append((g.get("amsgrad"), g.get("maximize"), g.get("differentiable"), g.get("momentum"),
+                          g.get("nesterov"), isinstance(g.get("lr"), torch.Tensor)))
+            parts.extend((id(p), p.grad is not None) for p in g["params"])
+        return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
+
+    def _state_identity(self, buckets):
+        return [(self.state.get(p), tuple(map(id, self.state[p].values()))) for b in buckets for p in b.params]
+
+    def _cached_buckets(self, signature):
+        """The previous step's fused plan, if nothing it depends on changed (cheap checks only)."""
+        cache = self.__dict__.get("_plan_cache")
+        if cache is None or cache[0] != signature:
+            return None
+        _, buckets, identity = cache
+        i = 0
+        for b in buckets:
+            for p in b.params:
+                st, ids = identity[i]
+                i += 1
+                if self.state.get(p) is not st or tuple(map(id, st.values())) != ids:
+                    return None
+                g = p.grad
+                if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
+                    return None  # the full path validates and explains
+        self.metrics.nonfinite_skipped = 0
+        return buckets
+
+    def invalidate_plan(self) -> None:
+        """Forget the cached step plan (after loading state or moving it between tiers)."""
+        self._plan_cache = None
 
     def nonfinite_skipped(self) -> int:
         """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""
@@ -446,6 +504,7 @@ class Engine:
     # -- whole-state conversions (load, offload/reload) -----------------------------------------
     def conform(self, params=None) -> None:
         """Re-store state in the form the policy wants now (no update), tile by tile."""
+        self.invalidate_plan()
         wanted = None if params is None else {id(p) for p in params}
         works = []
         for p, info in self.param_infos():

@@ -30,6 +30,7 @@ P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))  # 256-element tiles per program
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
+FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "0") == "1"  # approximate sqrt/division in the update
 
 
 def state_kind(codec) -> Optional[int]:
@@ -60,8 +61,9 @@ class FusedPath:
         return None
 
     # -- eligibility -------------------------------------------------------------------------------
-    def plan(self, w) -> Optional[dict]:
-        """How the kernel would step this parameter, or None (reference path)."""
+    def plan(self, w, allow_uncompressed: bool = False) -> Optional[dict]:
+        """How the kernel would step this parameter, or None (reference path). Uncompressed
+        state goes to torch's own implementation unless ``allow_uncompressed``."""
         if self.mode is False:
             return None
         p, inner = w.param, self.engine.inner
@@ -112,19 +114,27 @@ class FusedPath:
                 elif not (isinstance(value, EncodedTensor) and value.codec == codec and not value.host_tier
                           and value.device == p.device):
                     return None
-        if kind == "sgd" and kinds[0] == FP32 or kind == "adam" and all(k == FP32 for k in kinds):
+        if not allow_uncompressed and all(k == FP32 for k in kinds):
             return None  # uncompressed: torch's own implementation (passthrough) is exact
         return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first}
 
     # -- launch ------------------------------------------------------------------------------------------
-    def run(self, planned: List[Tuple[object, dict]]) -> None:
-        buckets: Dict[tuple, list] = {}
+    def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:
+        """Group planned parameters into launches; allocate state on a first step."""
+        groups: Dict[tuple, list] = {}
         for w, plan in planned:
             key = (w.info.group_index, plan["kind"], plan["first"], w.param.dtype, w.param.device,
-                   tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]))
-            buckets.setdefault(key, []).append((w, plan))
-        for items in buckets.values():
-            self._launch(items)
+                   tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]), _aligned(w.param))
+            groups.setdefault(key, []).append((w, plan))
+        buckets = []
+        for items in groups.values():
+            plan = items[0][1]
+            ws = [w for w, _ in items]
+            storages = [self._storage(w, plan) for w in ws]
+            for w in ws:
+                self.engine.state[w.param] = w.state
+            buckets.append(Bucket(ws, storages, plan))
+        return buckets
 
     def _storage(self, w, plan):
         """The state tensors the kernel reads and writes (allocated on the first step)."""
@@ -134,8 +144,6 @@ class FusedPath:
             if value is None:
                 value = allocate(codec, w.param.shape, torch.float32 if codec.lossless else w.param.dtype,
                                  w.param.device, host=False, pin_memory=False)
-                if isinstance(value, torch.Tensor):
-                    value = value.float()
                 w.state[key] = value
             out.append(value)
         if plan["kind"] == "adam":
@@ -145,90 +153,70 @@ class FusedPath:
                     w.param.device, torch.float32)
         return out
 
-    def _launch(self, items) -> None:
+    def launch(self, bucket: "Bucket") -> None:
         from .kernels import launch
         from .kernels.adam import adam_kernel, advance_steps_kernel
         from .kernels.nonfinite import nonfinite_flags_kernel
         from .kernels.sgd import sgd_kernel
 
-        engine = self.engine
-        ws = [w for w, _ in items]
-        plan = items[0][1]
-        device = ws[0].param.device
-        storages = [self._storage(w, pl) for w, pl in items]
-        n = len(ws)
-        group = engine.inner.param_groups[ws[0].info.group_index]
-
-        def data_scales(i):
-            vals = [s[i] for s in storages]
-            if isinstance(vals[0], EncodedTensor):
-                names = list(vals[0].payload)
-                data = [v.payload[names[0]] for v in vals]
-                scales = [v.payload.get("scales") for v in vals]
-            else:
-                data, scales = vals, [None] * n
-            return launch.pointer_table(data, device), launch.pointer_table(scales, device)
-
-        cols, nbr, nblocks, prog_t, prog_b, n_prog = launch.work_tables([tuple(w.param.shape) for w in ws], NBLK,
-                                                                        device)
-        P = launch.pointer_table([w.param for w in ws], device)
-        G = launch.pointer_table([w.grad for w in ws], device)
-        step = engine.step_count
+        engine, plan, params = self.engine, bucket.plan, bucket.params
+        device, n = params[0].device, len(params)
+        group = engine.inner.param_groups[bucket.group_index]
+        cols, nbr, nblocks, prog_t, prog_b, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
+        P = launch.pointer_table(params, device)
+        G = launch.pointer_table([p.grad for p in params], device)
         sr = any(c.stochastic_rounding for c in plan["codecs"]) or self.stochastic_param_rounding
         if sr:  # per-step stream keys of the counter hash: m, v, vmax, param
             names = (list(plan["keys"]) + [plan["keys"][-1]] * 3)[:3] + ["param"]
-            KEYS = launch.device_table([stream_key(state_seed(engine.seed, w.info.index, name), step)
-                                        for w in ws for name in names], device)
+            KEYS = launch.device_table([stream_key(state_seed(engine.seed, i, name), engine.step_count)
+                                        for i in bucket.indices for name in names], device)
         else:
             KEYS = launch.cached_table([0] * (4 * n), device)
-        check = engine.skip_nonfinite
+        aligned, check = bucket.aligned, engine.skip_nonfinite
         flags = torch.zeros(n if check else 1, dtype=torch.int32, device=device)
-        p_kind = P_KINDS[ws[0].param.dtype]
+        p_kind = P_KINDS[params[0].dtype]
         if check:
-            nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_t, prog_b, P_KIND=p_kind, NBLK=NBLK)
+            nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_t, prog_b, P_KIND=p_kind, NBLK=NBLK,
+                                              ALIGNED=aligned, num_warps=NUM_WARPS)
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
         lr_ptr = lr if lr_tensor else flags
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
-        m_tables = self._tables(m_codec, device)
-        M, MS = data_scales(0)
+        M, MS = bucket.tables(0, device)
+        common = dict(NBLK=NBLK, ALIGNED=aligned, num_warps=NUM_WARPS, CHECK_FINITE=check, LR_TENSOR=lr_tensor,
+                      FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
-            v_tables = self._tables(v_codec, device)
-            V, VS = data_scales(1)
+            V, VS = bucket.tables(1, device)
             amsgrad = len(plan["keys"]) == 3
-            VM, VMS = data_scales(2) if amsgrad else (V, VS)
-            STEPS = launch.pointer_table([w.state["step"] for w in ws], device)
+            VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
+            STEPS = launch.pointer_table([st["step"] for st in bucket.states], device)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
             adam_kernel[(n_prog,)](
                 P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, cols, nbr, nblocks, prog_t, prog_b,
                 lr_ptr, lr_val, beta1, beta2, math.log2(beta1) if beta1 > 0 else -1e30,
                 math.log2(beta2) if beta2 > 0 else -1e30, float(group["eps"]), float(group["weight_decay"]),
-                *m_tables, *v_tables,
-                P_KIND=p_kind, M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
+                *self._tables(m_codec, device), *self._tables(v_codec, device),
+                M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
                 M_SR=bool(m_codec.stochastic_rounding), V_SR=bool(v_codec.stochastic_rounding),
                 P_SR=self.stochastic_param_rounding and p_kind == 1,
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
-                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), MAXIMIZE=bool(group.get("maximize")),
-                FIRST=plan["first"], CHECK_FINITE=check, LR_TENSOR=lr_tensor, NBLK=NBLK, num_warps=NUM_WARPS)
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, **common)
             advance_steps_kernel[(n,)](STEPS, flags, CHECK_FINITE=check)
         else:
             sgd_kernel[(n_prog,)](
                 P, G, M, MS, flags, KEYS, cols, nbr, nblocks, prog_t, prog_b,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                *m_tables, P_KIND=p_kind, M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
-                M_LEVELS=self._n_levels(m_codec), NESTEROV=bool(group["nesterov"]),
-                MAXIMIZE=bool(group.get("maximize")), FIRST=plan["first"], CHECK_FINITE=check,
-                LR_TENSOR=lr_tensor, NBLK=NBLK, num_warps=NUM_WARPS)
+                *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
+                M_LEVELS=self._n_levels(m_codec), NESTEROV=bool(group["nesterov"]), **common)
         if check:
             total = flags.sum()
             self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
-        for w in ws:
-            engine.state[w.param] = w.state
+        bucket.first = False
         engine.metrics.fused_params += n
-        engine.metrics.kernel_launches += 3 if plan["kind"] == "adam" else 2
+        engine.metrics.kernel_launches += (2 if check else 1) + (plan["kind"] == "adam")
 
     @staticmethod
     def _n_levels(codec) -> int:
@@ -241,6 +229,37 @@ class FusedPath:
             return levels, mids, lut
         dummy = _dummy(device)
         return dummy, dummy, dummy
+
+
+def _aligned(p: torch.Tensor) -> bool:
+    """Rows are whole 256-element tiles and offsets fit in int32: the kernels' fast layout."""
+    rows = p.shape[0] if p.dim() >= 2 else 1
+    return p.numel() % rows == 0 and (p.numel() // max(rows, 1)) % 256 == 0 and p.numel() < 2**31 - 2**20
+
+
+class Bucket:
+    """One kernel launch's worth of parameters (same group, codecs, dtype, layout)."""
+
+    def __init__(self, works, storages, plan):
+        self.params = [w.param for w in works]
+        self.states = [w.state for w in works]
+        self.indices = [w.info.index for w in works]
+        self.group_index = works[0].info.group_index
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.storages = storages
+        self.plan = plan
+        self.first = plan["first"]
+        self.aligned = _aligned(self.params[0])
+
+    def tables(self, i: int, device):
+        """Pointer tables (data, scales) of the i-th state of every parameter."""
+        from .kernels import launch
+        values = [s[i] for s in self.storages]
+        if isinstance(values[0], EncodedTensor):
+            name = "codes" if "codes" in values[0].payload else "data"
+            return (launch.pointer_table([v.payload[name] for v in values], device),
+                    launch.pointer_table([v.payload.get("scales") for v in values], device))
+        return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
 
 
 _DUMMIES: Dict[str, torch.Tensor] = {}

@@ -63,6 +63,11 @@ class Policy:
         """Whether the compressed phase is on at ``step`` (False: the warmup phase)."""
         return False
 
+    def decision_key(self, step: int):
+        """A value that changes whenever any decision of this policy may change; the engine
+        reuses a step plan while it stays the same. Default: the step (never reused)."""
+        return step
+
     def observe_loss(self, loss: float) -> None:
         """Feed the training loss (a float, identical on every rank). Default: ignored."""
 
@@ -167,6 +172,9 @@ class WarmupPolicy(Policy):
 
     def active(self, step: int) -> bool:
         return step >= self.warmup_steps
+
+    def decision_key(self, step: int):
+        return self.active(step)
 
     def _rule_for(self, info: ParamInfo, key: str, role: str):
         if info.name is None:

@@ -7,8 +7,8 @@
   domain (geometric midpoints), the domain in which ``sqrt(v)`` errors matter.
 
 Element ``2i`` of a row goes to the low nibble of byte ``i``, element ``2i + 1`` to the high
-nibble. Encoding is ``bucketize(x / absmax)`` against fixed float32 midpoints; the Triton
-kernel uses the same midpoints and a correctly rounded division, so codes are identical.
+nibble. Encoding is ``bucketize(x * (1 / absmax))`` against fixed float32 midpoints; the Triton
+kernel uses the same midpoints and the same rounded reciprocal, so codes are identical.
 """
 from __future__ import annotations
 
@@ -40,11 +40,9 @@ def int4_midpoints(levels: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
-    """``x / absmax`` per block, a correctly rounded division (the kernel uses div_rn too)."""
-    rows, cols = x.shape
-    if cols % block == 0:
-        return (x.reshape(rows, -1, block) / absmax.unsqueeze(-1)).reshape(rows, cols)
-    return x / absmax.repeat_interleave(block, dim=1)[:, :cols]
+    """``x * (1 / absmax)`` per block: one correctly rounded reciprocal per block, then exact
+    IEEE multiplies (the kernel computes the same)."""
+    return scale_blocks(x, 1.0 / absmax, block)
 
 
 class Int4Codec(Codec):

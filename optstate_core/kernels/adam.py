@@ -21,11 +21,12 @@ P_FP16 = tl.constexpr(2)
 @triton.jit
 def param_pointer(addr, P_KIND: tl.constexpr):
     if P_KIND == P_BF16:
-        return addr.to(tl.pointer_type(tl.bfloat16))
+        ptr = addr.to(tl.pointer_type(tl.bfloat16))
     elif P_KIND == P_FP16:
-        return addr.to(tl.pointer_type(tl.float16))
+        ptr = addr.to(tl.pointer_type(tl.float16))
     else:
-        return addr.to(tl.pointer_type(tl.float32))
+        ptr = addr.to(tl.pointer_type(tl.float32))
+    return tl.multiple_of(ptr, 16)  # torch allocations are (at least) 16-byte aligned
 
 
 @triton.jit
@@ -41,8 +42,27 @@ def store_param(p, p_ptr, elem, mask, key_ptr, P_KIND: tl.constexpr, P_SR: tl.co
 
 
 @triton.jit
-def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
-    """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``."""
+def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``.
+
+    ALIGNED: every row length is a multiple of 256, so tile ``j`` covers elements
+    ``[256 j, 256 (j + 1))`` and the compiler can use wide, aligned memory accesses.
+    """
+    if ALIGNED:
+        nblocks = tl.load(NBLOCKS + t)
+        j = b0 + tl.arange(0, NBLK)
+        ok = j < nblocks
+        k = tl.arange(0, 256)
+        elem = j[:, None] * 256 + k[None, :]
+        mask = ok[:, None] & (k[None, :] < 256)
+        kp = tl.arange(0, 128)
+        pair = j[:, None] * 128 + kp[None, :]
+        pmask = ok[:, None] & (kp[None, :] < 128)
+        h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
+        s4 = 2 * j[:, None] + h
+        s4mask = ok[:, None] & (h < 2)
+        s8 = tl.where(ok, j, -1)
+        return elem, mask, pair, pmask, s8, s4, s4mask
     cols = tl.load(COLS + t)
     nbr = tl.load(NBR + t)
     nblocks = tl.load(NBLOCKS + t)
@@ -76,14 +96,16 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
                 M_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr,
                 AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
-                NBLK: tl.constexpr):
+                NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False):
     pid = tl.program_id(0)
     t = tl.load(PROG_T + pid)
     if CHECK_FINITE:
         if tl.load(FLAGS + t) != 0:
             return
-    b0 = tl.load(PROG_B + pid).to(tl.int64)
-    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
+    b0 = tl.load(PROG_B + pid)
+    if not ALIGNED:
+        b0 = b0.to(tl.int64)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
 
     p_ptr = param_pointer(tl.load(P + t), P_KIND)
     g_ptr = param_pointer(tl.load(G + t), P_KIND)
@@ -96,6 +118,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
     step_size = tl.math.div_rn(lr, bc1)
+    inv_bc2_sqrt = 1.0 / bc2_sqrt
 
     if MAXIMIZE:
         g = -g
@@ -126,10 +149,13 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
             vmax = load_state(vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False,
                               NBLK)
             vmax = tl.maximum(vmax, v)
-        denom = tl.math.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+        vv = vmax
     else:
-        denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - step_size * tl.math.div_rn(m, denom)
+        vv = v
+    if FAST_MATH:  # approximate sqrt and division (a few ulp), fewer instructions
+        p = p - step_size * (m / (tl.sqrt(vv) * inv_bc2_sqrt + eps))
+    else:  # correctly rounded, as torch
+        p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
 
     m_key = tl.load(KEYS + 4 * t).to(tl.uint32)
     v_key = tl.load(KEYS + 4 * t + 1).to(tl.uint32)

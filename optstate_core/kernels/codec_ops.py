@@ -31,10 +31,17 @@ def mix32(x):
 
 @triton.jit
 def random_bits(key, idx):
-    """32 random bits (uint32) for int64 element indices, keyed by a uint32 stream key."""
+    """32 random bits (uint32) for element indices, keyed by a uint32 stream key."""
+    idx = idx.to(tl.int64)
     lo = (idx & 0xFFFFFFFF).to(tl.uint32)
     hi = mix32((idx >> 32).to(tl.uint32))
     return mix32((lo ^ key) + hi)
+
+
+@triton.jit
+def aligned(addr, dtype: tl.constexpr):
+    """A typed pointer from a table address, declared 16-byte aligned (torch allocations are)."""
+    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
@@ -158,18 +165,18 @@ def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, l
     """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pair`` packed-byte offsets
     ([NBLK, 128]), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
     if KIND == FP32:
-        return tl.load(data_addr.to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
+        return tl.load(aligned(data_addr, tl.float32) + elem, mask=mask, other=0.0)
     elif KIND == BF16:
-        return tl.load(data_addr.to(tl.pointer_type(tl.bfloat16)) + elem, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(aligned(data_addr, tl.bfloat16) + elem, mask=mask, other=0.0).to(tl.float32)
     elif KIND == INT8:
-        c = tl.load(data_addr.to(tl.pointer_type(tl.uint8)) + elem, mask=mask, other=0)
-        s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + s8, mask=s8 >= 0, other=0.0)
+        c = tl.load(aligned(data_addr, tl.uint8) + elem, mask=mask, other=0)
+        s = tl.load(aligned(scale_addr, tl.float32) + s8, mask=s8 >= 0, other=0.0)
         return decode_int8(c, SIGNED) * s[:, None]
     else:
-        b = tl.load(data_addr.to(tl.pointer_type(tl.uint8)) + pair, mask=pmask, other=0).to(tl.int32)
+        b = tl.load(aligned(data_addr, tl.uint8) + pair, mask=pmask, other=0).to(tl.int32)
         c = tl.reshape(tl.join(b & 15, b >> 4), (NBLK, 256))
         v = tl.load(lut_ptr + c)
-        s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
+        s = tl.load(aligned(scale_addr, tl.float32) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
         s = tl.reshape(tl.broadcast_to(tl.reshape(s, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
         return v * s
 
@@ -180,14 +187,14 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
                 NBLK: tl.constexpr):
     """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales."""
     if KIND == FP32:
-        tl.store(data_addr.to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
+        tl.store(aligned(data_addr, tl.float32) + elem, x, mask=mask)
     elif KIND == BF16:
         if SR:
             rb = random_bits(key, elem)
         else:
             rb = 0
         x = round_to_bf16(x, rb, SR)
-        tl.store(data_addr.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
+        tl.store(aligned(data_addr, tl.bfloat16) + elem, x.to(tl.bfloat16), mask=mask)
     elif KIND == INT8:
         absmax = tl.max(finite_abs(x, mask), axis=1)
         e = pow2_exponent(absmax)
@@ -197,12 +204,12 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         else:
             rb = 0
         codes = encode_int8(y, rb, SIGNED, SR)
-        tl.store(data_addr.to(tl.pointer_type(tl.uint8)) + elem, codes.to(tl.uint8), mask=mask)
-        tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + s8, exp2_int(e), mask=s8 >= 0)
+        tl.store(aligned(data_addr, tl.uint8) + elem, codes.to(tl.uint8), mask=mask)
+        tl.store(aligned(scale_addr, tl.float32) + s8, exp2_int(e), mask=s8 >= 0)
     else:
         absmax = block_absmax_128(finite_abs(x, mask), NBLK)
         safe = tl.where(absmax > 0, absmax, 1.0)
-        y = tl.math.div_rn(x, safe)
+        y = x * tl.math.div_rn(1.0, safe)  # as the torch codec: multiply by the rounded reciprocal
         if SR:
             rb = random_bits(key, elem)
         else:
@@ -210,6 +217,6 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR)
         codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
         lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
-        tl.store(data_addr.to(tl.pointer_type(tl.uint8)) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+        tl.store(aligned(data_addr, tl.uint8) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
         sc = tl.max(tl.reshape(absmax, (NBLK, 2, 128)), axis=2)
-        tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + s4, sc, mask=s4mask)
+        tl.store(aligned(scale_addr, tl.float32) + s4, sc, mask=s4mask)

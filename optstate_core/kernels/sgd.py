@@ -14,14 +14,16 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
-               LR_TENSOR: tl.constexpr, NBLK: tl.constexpr):
+               LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
     pid = tl.program_id(0)
     t = tl.load(PROG_T + pid)
     if CHECK_FINITE:
         if tl.load(FLAGS + t) != 0:
             return
-    b0 = tl.load(PROG_B + pid).to(tl.int64)
-    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
+    b0 = tl.load(PROG_B + pid)
+    if not ALIGNED:
+        b0 = b0.to(tl.int64)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr = param_pointer(tl.load(P + t), P_KIND)
     g_ptr = param_pointer(tl.load(G + t), P_KIND)
     p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)

@@ -68,6 +68,11 @@ def run_pair(cls, kw, pol_fn, steps_before=2, dtype=torch.float32):
     if steps_before:
         opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # like torch, loading aliases the tensors
     for s in range(steps_before, steps_before + 2):
+        if s > steps_before:  # start each compared step from identical inputs
+            with torch.no_grad():
+                for p, rp in zip(ps, ref_ps):
+                    p.copy_(rp)
+            opt.load_state_dict(copy.deepcopy(ref.state_dict()))
         set_grads(ref_ps, s)
         set_grads(ps, s)
         ref.step()
