@@ -130,6 +130,10 @@ def pinned_bandwidth(device, nbytes: int = 2**28) -> float:
 
 
 def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 0) -> dict:
+    gc.collect()  # the previous configuration's memory must not be freed inside this one's window
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     gen = torch.Generator(device=device).manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
     for p in params:

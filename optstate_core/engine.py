@@ -223,9 +223,15 @@ class Engine:
         self.metrics = StepMetrics()
         self.transfers.reset()
         signature = self._signature()
-        buckets = self._cached_buckets(signature)
-        if buckets is None:
+        cached = self._cached_plan(signature)
+        if cached is None:
             buckets = self._plan_and_run(signature)
+        else:
+            buckets, passthrough = cached
+            if passthrough:
+                t = time.perf_counter()
+                self._run_inner(passthrough, use_real_state=True)
+                self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if buckets:
             t = time.perf_counter()
             for bucket in buckets:
@@ -268,9 +274,11 @@ class Engine:
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if tiled:
             self._run_tiled(tiled, update=True)
-        cacheable = buckets and not passthrough and not tiled and not any(b.first for b in buckets) \
-            and len(fused) == len(works)
-        self._plan_cache = (signature, buckets, self._state_identity(buckets)) if cacheable else None
+        items = [(w.param, w.state, w.info.group_index) for w in passthrough]
+        cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
+            and len(fused) + len(passthrough) == len(works)
+        params = [p for b in buckets for p in b.params] + [p for p, _, _ in items]
+        self._plan_cache = (signature, buckets, items, self._state_identity(params)) if cacheable else None
         return buckets
 
     def _signature(self):
@@ -283,27 +291,38 @@ class Engine:
             parts.extend((id(p), p.grad is not None) for p in g["params"])
         return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
 
-    def _state_identity(self, buckets):
-        return [(self.state.get(p), tuple(map(id, self.state[p].values()))) for b in buckets for p in b.params]
+    def _state_identity(self, params):
+        return [(p, self.state.get(p), tuple(map(id, self.state[p].values()))) for p in params]
 
-    def _cached_buckets(self, signature):
-        """The previous step's fused plan, if nothing it depends on changed (cheap checks only)."""
+    def _cached_plan(self, signature):
+        """The previous step's plan (fused buckets, passthrough items) if nothing it depends on
+        changed; only cheap identity checks. The full path validates and explains otherwise."""
         cache = self.__dict__.get("_plan_cache")
         if cache is None or cache[0] != signature:
             return None
-        _, buckets, identity = cache
-        i = 0
-        for b in buckets:
-            for p in b.params:
-                st, ids = identity[i]
-                i += 1
-                if self.state.get(p) is not st or tuple(map(id, st.values())) != ids:
-                    return None
-                g = p.grad
-                if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
-                    return None  # the full path validates and explains
+        _, buckets, items, identity = cache
+        for p, st, ids in identity:
+            if self.state.get(p) is not st or tuple(map(id, st.values())) != ids:
+                return None
+            g = p.grad
+            if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
+                return None
+        if items and self.skip_nonfinite and not self._all_finite([p.grad for p, _, _ in items]):
+            return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
-        return buckets
+        return buckets, items
+
+    @staticmethod
+    def _all_finite(grads) -> bool:
+        by_device: Dict[torch.device, list] = {}
+        for g in grads:
+            if g.numel():
+                by_device.setdefault(g.device, []).append(g)
+        for gs in by_device.values():
+            norms = torch._foreach_norm(gs, float("inf"))
+            if not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # one sync
+                return False
+        return True
 
     def invalidate_plan(self) -> None:
         """Forget the cached step plan (after loading state or moving it between tiers)."""

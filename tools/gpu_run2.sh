@@ -10,4 +10,4 @@ for p in "8bit --nocheck" "4bit --nocheck" "8bit"; do timeout 120 python3 tools/
 B="python3 -m optstate_core.bench --steps 10 --warmup 3"
 timeout 200 $B --configs adamw,int8_nocheck,4bit_nocheck --tune 2x4,4x4,4x8,8x8 2>&1 | grep "^|"
 OPTSTATE_FAST_MATH=1 timeout 120 $B --configs adamw,int8_nocheck,4bit_nocheck --tune 2x4,4x8 2>&1 | grep "^|"
-timeout 400 $B --compare --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | grep -v "^bench:"
+timeout 400 $B --compare --configs adamw,fp32,fp32_nocheck,bf16,int8,int8_nocheck,4bit,4bit_nocheck,bnb8,ao8,ao4 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | grep -v "^bench:"

@@ -43,26 +43,40 @@ def store_param(p, p_ptr, elem, mask, key_ptr, P_KIND: tl.constexpr, P_SR: tl.co
 
 @triton.jit
 def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``.
+    """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``:
+    (elements, mask, packed-byte offsets, their mask, int8 scale offsets, int4 scale offsets,
+    their mask).
 
-    ALIGNED: every row length is a multiple of 256, so tile ``j`` covers elements
-    ``[256 j, 256 (j + 1))`` and the compiler can use wide, aligned memory accesses.
+    ALIGNED: every row length is a multiple of 256 and offsets fit in int32, so tile ``j``
+    covers elements ``[256 j, 256 (j + 1))`` and the compiler can use wide, aligned accesses.
     """
     if ALIGNED:
-        nblocks = tl.load(NBLOCKS + t)
-        j = b0 + tl.arange(0, NBLK)
-        ok = j < nblocks
-        k = tl.arange(0, 256)
-        elem = j[:, None] * 256 + k[None, :]
-        mask = ok[:, None] & (k[None, :] < 256)
-        kp = tl.arange(0, 128)
-        pair = j[:, None] * 128 + kp[None, :]
-        pmask = ok[:, None] & (kp[None, :] < 128)
-        h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
-        s4 = 2 * j[:, None] + h
-        s4mask = ok[:, None] & (h < 2)
-        s8 = tl.where(ok, j, -1)
-        return elem, mask, pair, pmask, s8, s4, s4mask
+        out = _aligned_offsets(t, b0, NBLOCKS, NBLK)
+    else:
+        out = _general_offsets(t, b0.to(tl.int64), COLS, NBR, NBLOCKS, NBLK)
+    return out
+
+
+@triton.jit
+def _aligned_offsets(t, b0, NBLOCKS, NBLK: tl.constexpr):
+    nblocks = tl.load(NBLOCKS + t)
+    j = b0 + tl.arange(0, NBLK)
+    ok = j < nblocks
+    k = tl.arange(0, 256)
+    elem = j[:, None] * 256 + k[None, :]
+    mask = ok[:, None] & (k[None, :] < 256)
+    kp = tl.arange(0, 128)
+    pair = j[:, None] * 128 + kp[None, :]
+    pmask = ok[:, None] & (kp[None, :] < 128)
+    h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
+    s4 = 2 * j[:, None] + h
+    s4mask = ok[:, None] & (h < 2)
+    s8 = tl.where(ok, j, -1)
+    return elem, mask, pair, pmask, s8, s4, s4mask
+
+
+@triton.jit
+def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
     cols = tl.load(COLS + t)
     nbr = tl.load(NBR + t)
     nblocks = tl.load(NBLOCKS + t)
@@ -103,8 +117,6 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
         if tl.load(FLAGS + t) != 0:
             return
     b0 = tl.load(PROG_B + pid)
-    if not ALIGNED:
-        b0 = b0.to(tl.int64)
     elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
 
     p_ptr = param_pointer(tl.load(P + t), P_KIND)

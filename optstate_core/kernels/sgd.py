@@ -21,8 +21,6 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
         if tl.load(FLAGS + t) != 0:
             return
     b0 = tl.load(PROG_B + pid)
-    if not ALIGNED:
-        b0 = b0.to(tl.int64)
     elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr = param_pointer(tl.load(P + t), P_KIND)
     g_ptr = param_pointer(tl.load(G + t), P_KIND)

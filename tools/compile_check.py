@@ -1,0 +1,82 @@
+"""Compile the kernels ahead of time for a CUDA target without a GPU (catches compile errors
+before spending device time): python tools/compile_check.py [--arch 90]."""
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+
+from optstate_core.kernels.adam import adam_kernel, advance_steps_kernel
+from optstate_core.kernels.nonfinite import nonfinite_flags_kernel
+from optstate_core.kernels.sgd import sgd_kernel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--arch", type=int, default=90)
+parser.add_argument("--all", action="store_true", help="every constexpr combination (slow)")
+args = parser.parse_args()
+target = GPUTarget("cuda", args.arch, 32)
+PTR = "*i64"
+
+
+def compile_kernel(fn, signature, constexprs, num_warps=4):
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=target, options={"num_warps": num_warps})
+
+
+def resources(kernel) -> str:
+    """Registers / spills from cuobjdump on the cubin (no GPU needed)."""
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", out, re.S)
+    return f"{m.group(1)} regs, stack {m.group(2)}, local {m.group(4)}" if m else out.strip()[:200]
+
+
+def sig(fn, types):
+    names = [a for a in fn.arg_names]
+    return {n: types.get(n, PTR) for n in names}
+
+
+adam_scalars = {"lr": "fp32", "beta1": "fp32", "beta2": "fp32", "log2_beta1": "fp32", "log2_beta2": "fp32",
+                "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
+                "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
+                "PROG_T": "*i32", "PROG_B": "*i32"}
+n = 0
+kinds = [(2, 2), (3, 3), (1, 1), (2, 0), (3, 2)]
+for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, False], [False, True], [True, False],
+                                                                [False, True]):
+    if not args.all and (first or not check) and (mk, vk) != (2, 2):
+        continue
+    const = dict(P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=False, V_SR=mk == 3, P_SR=False, M_LEVELS=15, V_LEVELS=16,
+                 AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
+                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast)
+    s = sig(adam_kernel, adam_scalars)
+    for c in const:
+        s[c] = "constexpr"
+    k = compile_kernel(adam_kernel, s, const)
+    n += 1
+    print(f"adam m={mk} v={vk} aligned={aligned} first={first} check={check} fast={fast}: {resources(k)}")
+s = sig(advance_steps_kernel, {"FLAGS": "*i32"})
+s["CHECK_FINITE"] = "constexpr"
+compile_kernel(advance_steps_kernel, s, {"CHECK_FINITE": True})
+for aligned in (True, False):
+    s = sig(nonfinite_flags_kernel, {"FLAGS": "*i32", "PROG_T": "*i32", "PROG_B": "*i32"})
+    c = dict(P_KIND=0, NBLK=4, ALIGNED=aligned)
+    s.update({k: "constexpr" for k in c})
+    compile_kernel(nonfinite_flags_kernel, s, c)
+    s = sig(sgd_kernel, {"lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
+                         "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
+                         "FLAGS": "*i32", "PROG_T": "*i32", "PROG_B": "*i32"})
+    c = dict(P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, NESTEROV=True, MAXIMIZE=False, FIRST=False,
+             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned)
+    s.update({k: "constexpr" for k in c})
+    k = compile_kernel(sgd_kernel, s, c)
+    print(f"sgd aligned={aligned}: {resources(k)}")
+print(f"compiled {n + 4} kernels for sm_{args.arch}")
