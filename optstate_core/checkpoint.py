@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Dict
 import torch
 
 from .codecs import EncodedTensor, codec_from_config
-from .store import ParamState, is_scalar_state
+from .store import ParamState, allocate_many, is_scalar_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import VirtualOptimizer
@@ -152,6 +152,7 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
             group_of[saved_id] = g
 
     new_state: Dict[torch.Tensor, ParamState] = {}
+    encoded = {}  # (codec, host, device, dtype) -> [(state dict, key, source)]: placed together below
     for saved_id, entry in state_dict["state"].items():
         if saved_id not in id_map:
             raise ValueError(f"state_dict: state for unknown parameter id {saved_id!r}")
@@ -164,11 +165,19 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
             value = unpack_value(value, what)
             _check_entry(param, key, value, what, engine.elementwise)
             if isinstance(value, EncodedTensor):
-                value = value.to("cpu") if value.host_tier else value.to(param.device)
+                target = torch.device("cpu") if value.host_tier else param.device
+                encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value))
             else:
                 value = _cast_like_torch(param, key, value, group_of[saved_id])
             st[key] = value
         new_state[param] = st
+    pin = engine.pin_memory if engine.pin_memory is not None else torch.cuda.is_available()
+    for (codec, host, device, dtype), items in encoded.items():
+        placed = allocate_many(codec, [src.shape for _, _, src in items], dtype, device, host, pin)
+        for (st, key, src), dst in zip(items, placed):
+            for name, t in dst.payload.items():
+                t.copy_(src.payload[name])
+            st[key] = dst
 
     # Everything validated: commit.
     engine.invalidate_plan()

@@ -29,7 +29,7 @@ from .codecs import EncodedTensor
 from .codecs.rounding import RoundingContext, state_seed, stream_key
 from .fused import FusedPath
 from .policy import ParamInfo, Policy
-from .store import ParamState, StateMap, allocate, copy_scalar, is_scalar_state, matches
+from .store import ParamState, StateMap, allocate, allocate_many, copy_scalar, is_scalar_state, matches
 from .transfer import Transfers
 
 log = logging.getLogger("optstate")
@@ -255,9 +255,9 @@ class Engine:
                 fused.append((w, plan))
             else:
                 tiled.append(w)
-        if fused and passthrough and self.skip_nonfinite:
+        if fused and passthrough:
             # uncompressed tensors next to fused ones (small-tensor bypass): step them in the
-            # kernel too, so the step needs no host synchronisation for the NaN/inf check
+            # same launches, so the step needs no host synchronisation and no second optimizer
             still = []
             for w in passthrough:
                 plan = self.fused.plan(w, allow_uncompressed=True)
@@ -423,7 +423,25 @@ class Engine:
             self.metrics.chunks += 1
             yield chunk
 
+    def _preallocate(self, works: List[Work]) -> None:
+        """Destinations for states that change form this step, one allocation per form."""
+        wanted: Dict[tuple, list] = {}
+        for w in works:
+            for key, value in w.state.items():
+                if is_scalar_state(value) or tuple(value.shape) != tuple(w.param.shape):
+                    continue
+                codec = self.policy.codec_for(w.info, key, self.step_count)
+                host = self.policy.tier_for(w.info, key, self.step_count) == "host"
+                if not matches(value, codec, host, w.param.device):
+                    wanted.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key))
+        for (codec, host, device, dtype), items in wanted.items():
+            pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
+            values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin)
+            for (w, key), value in zip(items, values):
+                w.dest[key] = value
+
     def _run_tiled(self, works: List[Work], update: bool) -> None:
+        self._preallocate(works)
         for chunk in self._chunks(works):
             t0 = time.perf_counter()
             for tile in chunk:

@@ -21,7 +21,7 @@ import torch
 from .codecs import BF16Codec, EncodedTensor, FP32Codec, Int4Codec, Int8Codec
 from .codecs.rounding import state_seed, stream_key
 from .kernels import interpreting, triton_error
-from .store import allocate
+from .store import allocate_many
 
 log = logging.getLogger("optstate")
 
@@ -30,7 +30,8 @@ P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))  # 256-element tiles per program
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
-FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "0") == "1"  # approximate sqrt/division in the update
+# hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
+FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
 
 def state_kind(codec) -> Optional[int]:
@@ -130,22 +131,27 @@ class FusedPath:
         for items in groups.values():
             plan = items[0][1]
             ws = [w for w, _ in items]
+            self._allocate_missing(ws, plan)
             storages = [self._storage(w, plan) for w in ws]
             for w in ws:
                 self.engine.state[w.param] = w.state
             buckets.append(Bucket(ws, storages, plan))
         return buckets
 
-    def _storage(self, w, plan):
-        """The state tensors the kernel reads and writes (allocated on the first step)."""
-        out = []
+    @staticmethod
+    def _allocate_missing(ws, plan) -> None:
+        """First step: one allocation per state key for the whole bucket."""
         for key, codec in zip(plan["keys"], plan["codecs"]):
-            value = w.state.get(key)
-            if value is None:
-                value = allocate(codec, w.param.shape, torch.float32 if codec.lossless else w.param.dtype,
-                                 w.param.device, host=False, pin_memory=False)
-                w.state[key] = value
-            out.append(value)
+            missing = [w for w in ws if w.state.get(key) is None]
+            if missing:
+                dtype = torch.float32 if codec.lossless else missing[0].param.dtype
+                for w, value in zip(missing, allocate_many(codec, [w.param.shape for w in missing], dtype,
+                                                           missing[0].param.device, host=False, pin_memory=False)):
+                    w.state[key] = value
+
+    def _storage(self, w, plan):
+        """The state tensors the kernel reads and writes."""
+        out = [w.state[key] for key in plan["keys"]]
         if plan["kind"] == "adam":
             step = w.state.get("step")
             if not isinstance(step, torch.Tensor) or step.device != w.param.device or step.dtype != torch.float32:
@@ -191,7 +197,7 @@ class FusedPath:
             V, VS = bucket.tables(1, device)
             amsgrad = len(plan["keys"]) == 3
             VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
-            STEPS = launch.pointer_table([st["step"] for st in bucket.states], device)
+            STEPS = bucket.steps_table(device)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
             adam_kernel[(n_prog,)](
@@ -250,9 +256,16 @@ class Bucket:
         self.plan = plan
         self.first = plan["first"]
         self.aligned = _aligned(self.params[0])
+        self._tables = {}
 
     def tables(self, i: int, device):
-        """Pointer tables (data, scales) of the i-th state of every parameter."""
+        """Pointer tables (data, scales) of the i-th state of every parameter (built once: the
+        engine re-plans whenever a state object changes)."""
+        if i not in self._tables:
+            self._tables[i] = self._build_tables(i, device)
+        return self._tables[i]
+
+    def _build_tables(self, i: int, device):
         from .kernels import launch
         values = [s[i] for s in self.storages]
         if isinstance(values[0], EncodedTensor):
@@ -260,6 +273,12 @@ class Bucket:
             return (launch.pointer_table([v.payload[name] for v in values], device),
                     launch.pointer_table([v.payload.get("scales") for v in values], device))
         return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
+
+    def steps_table(self, device):
+        if "steps" not in self._tables:
+            from .kernels import launch
+            self._tables["steps"] = launch.pointer_table([st["step"] for st in self.states], device)
+        return self._tables["steps"]
 
 
 _DUMMIES: Dict[str, torch.Tensor] = {}

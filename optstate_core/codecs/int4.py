@@ -83,16 +83,19 @@ class Int4Codec(Codec):
                 "scales": ((rows, nb), torch.float32, self.block_size)}
 
     def tables(self, device):
+        """(levels, midpoints padded with +inf to 15, 16-entry decode table) on ``device``."""
         key = str(device)
         if key not in self._tables:
             lut = torch.zeros(16)
             lut[: len(self.levels)] = self.levels
-            self._tables[key] = (self.levels.to(device), self.midpoints.to(device), lut.to(device))
+            mids = torch.full((15,), float("inf"))
+            mids[: len(self.midpoints)] = self.midpoints
+            self._tables[key] = (self.levels.to(device), mids.to(device), lut.to(device))
         return self._tables[key]
 
     def codes_of(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
         """Codes (int64) for normalized values ``y`` in [-1, 1] (finite) or +-inf."""
-        levels, mids, _ = self.tables(y.device)
+        levels, mids = self.levels.to(y.device), self.midpoints.to(y.device)
         y = torch.nan_to_num(y, nan=0.0).clamp(-1.0, 1.0) if self.is_signed else \
             torch.nan_to_num(y, nan=0.0).clamp(0.0, 1.0)
         if rbits is None:

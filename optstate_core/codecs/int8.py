@@ -39,7 +39,7 @@ class MinifloatMap:
         self.shift = 23 - self.man_bits
         self.code_offset = (127 - self.bias) << self.man_bits
         self.sub_mult = 2.0 ** (self.bias - 1 + self.man_bits)  # signed subnormals: value = f / sub_mult
-        self.normal_min = 2.0 ** (1 - self.bias)
+        self.normal_min = 2.0 ** (1 - self.bias)  # smallest normal magnitude
 
     def magnitude_values(self) -> torch.Tensor:
         m = torch.arange(self.max_mag + 1, dtype=torch.int64)
@@ -57,19 +57,26 @@ class MinifloatMap:
         return torch.cat([mags, -mags])
 
     def encode(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
-        """Codes (int32) for normalized finite-or-inf ``y`` (|y| < 1 for finite values)."""
-        a = torch.nan_to_num(y.abs(), nan=0.0) if self.signed else torch.nan_to_num(y, nan=0.0).clamp_min(0)
-        bits = a.view(torch.int32)  # + rounding bits stays below 2**31 for every finite or inf a
+        """Codes (int32) for normalized finite-or-inf ``y`` (|y| < 1 for finite values).
+
+        Round to nearest (or stochastically, from ``rbits``) on the code grid by adding to the
+        float32 bits and shifting. Signed subnormals (|y| < 2**(1 - bias)) are shifted into the
+        first normal binade by adding its lower bound, which maps the linear subnormal grid onto
+        that binade's mantissa grid exactly, and one code binade is subtracted back.
+        """
         if rbits is not None:
             half = (rbits & ((1 << self.shift) - 1)).to(torch.int32)
         else:
             half = 1 << (self.shift - 1)
-        normal = ((bits + half) >> self.shift) - self.code_offset
         if self.signed:
-            u = ((rbits >> 8).to(torch.float32) * 2.0 ** -24) if rbits is not None else 0.5
-            sub = torch.floor(a.clamp(max=1.0) * self.sub_mult + u).to(torch.int32)
-            mag = torch.where(a >= self.normal_min, normal, sub).clamp_(0, self.max_mag)
+            a = torch.nan_to_num(y.abs(), nan=0.0)
+            small = a < self.normal_min
+            t = torch.where(small, a + self.normal_min, a)
+            mag = ((t.view(torch.int32) + half) >> self.shift) - self.code_offset
+            mag = torch.where(small, mag - (1 << self.man_bits), mag).clamp_(0, self.max_mag)
             return torch.where((y < 0) & (mag > 0), mag | 0x80, mag)
+        a = torch.nan_to_num(y, nan=0.0).clamp_min(0)
+        normal = ((a.view(torch.int32) + half) >> self.shift) - self.code_offset
         return torch.where(a > 0, normal.clamp_(1, self.max_mag), 0)
 
 

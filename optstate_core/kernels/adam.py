@@ -64,13 +64,13 @@ def _aligned_offsets(t, b0, NBLOCKS, NBLK: tl.constexpr):
     ok = j < nblocks
     k = tl.arange(0, 256)
     elem = j[:, None] * 256 + k[None, :]
-    mask = ok[:, None] & (k[None, :] < 256)
+    mask = tl.broadcast_to(ok[:, None], (NBLK, 256))
     kp = tl.arange(0, 128)
     pair = j[:, None] * 128 + kp[None, :]
-    pmask = ok[:, None] & (kp[None, :] < 128)
+    pmask = tl.broadcast_to(ok[:, None], (NBLK, 128))
     h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
     s4 = 2 * j[:, None] + h
-    s4mask = ok[:, None] & (h < 2)
+    s4mask = tl.broadcast_to(ok[:, None], (NBLK, 2))
     s8 = tl.where(ok, j, -1)
     return elem, mask, pair, pmask, s8, s4, s4mask
 

@@ -59,8 +59,9 @@ def round_to_bf16(x, rbits, SR: tl.constexpr):
 
 @triton.jit
 def finite_abs(x, mask):
+    """|x| where finite (NaN fails the comparison too), else 0."""
     a = tl.abs(x)
-    return tl.where(mask & (a == a) & (a < float("inf")), a, 0.0)
+    return tl.where(mask & (a < float("inf")), a, 0.0)
 
 
 @triton.jit
@@ -80,24 +81,24 @@ def exp2_int(e):
 # -- int8 minifloat: signed E4M3 with subnormals, unsigned E5M3 with an exact zero --------------
 @triton.jit
 def decode_int8(codes, SIGNED: tl.constexpr):
+    """Signed: sign + E4M3 with subnormals (a subnormal code is decoded as the first normal
+    binade minus its lower bound, exact); unsigned: E5M3 with code 0 = 0."""
     c = codes.to(tl.int32)
     if SIGNED:
         mag = c & 127
-        e = mag >> 3
-        f = mag & 7
-        normal = (((e + 111) << 23) | (f << 20)).to(tl.float32, bitcast=True)
-        val = tl.where(e == 0, f.to(tl.float32) * 3.814697265625e-06, normal)  # f * 2**-18
+        small = mag < 8
+        val = (((tl.where(small, mag + 8, mag) + 888) << 20).to(tl.float32, bitcast=True)
+               - tl.where(small, 3.0517578125e-05, 0.0))
         return tl.where(c >= 128, -val, val)
     else:
-        e = c >> 3
-        f = c & 7
-        normal = (((e + 95) << 23) | (f << 20)).to(tl.float32, bitcast=True)
-        return tl.where(c == 0, 0.0, normal)
+        val = ((c + 760) << 20).to(tl.float32, bitcast=True)
+        return tl.where(c == 0, 0.0, val)
 
 
 @triton.jit
 def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
-    """Codes (int32) of values normalized by their block's power-of-two scale."""
+    """Codes (int32) of values normalized by their block's power-of-two scale (see
+    codecs/int8.py MinifloatMap.encode for the construction)."""
     if SR:
         half = (rbits & 0xFFFFF).to(tl.int32)
     else:
@@ -105,21 +106,15 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
     if SIGNED:
         a = tl.abs(y)
         a = tl.where(a == a, a, 0.0)
-        bits = a.to(tl.int32, bitcast=True)
-        normal = ((bits + half) >> 20) - 888
-        if SR:
-            u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
-        else:
-            u = 0.5
-        sub = tl.floor(tl.minimum(a, 1.0) * 262144.0 + u).to(tl.int32)
-        mag = tl.where(a >= 3.0517578125e-05, normal, sub)
+        small = a < 3.0517578125e-05
+        t = tl.where(small, a + 3.0517578125e-05, a)
+        mag = ((t.to(tl.int32, bitcast=True) + half) >> 20) - tl.where(small, 896, 888)
         mag = tl.minimum(tl.maximum(mag, 0), 127)
         return tl.where((y < 0) & (mag > 0), mag | 128, mag)
     else:
         a = tl.where(y == y, y, 0.0)
         a = tl.maximum(a, 0.0)
-        bits = a.to(tl.int32, bitcast=True)
-        normal = ((bits + half) >> 20) - 760
+        normal = ((a.to(tl.int32, bitcast=True) + half) >> 20) - 760
         return tl.where(a > 0, tl.minimum(tl.maximum(normal, 1), 255), 0)
 
 
@@ -145,17 +140,17 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
         code = lo + (u < p).to(tl.int32)
         if not SIGNED:
             code = tl.where(y > 0, tl.maximum(code, 1), code)
-    else:
-        for i in tl.static_range(N_LEVELS - 1):
-            code += (tl.load(mids_ptr + i) < y).to(tl.int32)
+    else:  # binary search: the number of midpoints below y (the table is padded with +inf to 15)
+        for i in tl.static_range(4):
+            cand = code + (8 >> i)
+            code = tl.where(tl.load(mids_ptr + cand - 1) < y, cand, code)
     return code
 
 
 @triton.jit
-def block_absmax_128(a, NBLK: tl.constexpr):
-    """[NBLK, 256] -> [NBLK, 256]: each 128-element half replaced by its max."""
-    m = tl.max(tl.reshape(a, (NBLK * 2, 128)), axis=1)
-    return tl.reshape(tl.broadcast_to(tl.reshape(m, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
+def per_half(v, NBLK: tl.constexpr):
+    """[NBLK * 2] per-128-block values -> [NBLK, 256] (broadcast over each block)."""
+    return tl.reshape(tl.broadcast_to(tl.reshape(v, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
 
 
 # -- load / store one state tile of any kind --------------------------------------------------------
@@ -207,9 +202,9 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         tl.store(aligned(data_addr, tl.uint8) + elem, codes.to(tl.uint8), mask=mask)
         tl.store(aligned(scale_addr, tl.float32) + s8, exp2_int(e), mask=s8 >= 0)
     else:
-        absmax = block_absmax_128(finite_abs(x, mask), NBLK)
+        absmax = tl.max(tl.reshape(finite_abs(x, mask), (NBLK * 2, 128)), axis=1)  # [NBLK * 2]
         safe = tl.where(absmax > 0, absmax, 1.0)
-        y = x * tl.math.div_rn(1.0, safe)  # as the torch codec: multiply by the rounded reciprocal
+        y = x * per_half(tl.math.div_rn(1.0, safe), NBLK)  # as the torch codec: the rounded reciprocal
         if SR:
             rb = random_bits(key, elem)
         else:
@@ -218,5 +213,4 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
         lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
         tl.store(aligned(data_addr, tl.uint8) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
-        sc = tl.max(tl.reshape(absmax, (NBLK, 2, 128)), axis=2)
-        tl.store(aligned(scale_addr, tl.float32) + s4, sc, mask=s4mask)
+        tl.store(aligned(scale_addr, tl.float32) + s4, tl.reshape(absmax, (NBLK, 2)), mask=s4mask)
