@@ -7,22 +7,28 @@ Commands:
           over several seeds
   plan    what fits? optimizer-state and training memory per preset for a model and a GPU
 
-Also runnable as ``python -m optstate_core <command>``. ``optstate <command> --help`` lists
+Also runnable as `python -m optstate_core <command>`. `optstate <command> --help` lists
 each command's options.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import textwrap
 from typing import Optional, Sequence
 
 
+def _plain(doc: str) -> str:
+    """A module docstring as --help text: reST roles and double backquotes removed."""
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", doc or "").replace("``", "")
+
+
 def _demo_parser(sub) -> None:
     from . import demo
     p = sub.add_parser("demo", help="train a small LM with AdamW and optstate presets, compare them",
-                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=_plain(demo.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(p)
     p.set_defaults(handler=demo.run)
 
@@ -30,7 +36,7 @@ def _demo_parser(sub) -> None:
 def _bench_parser(sub) -> None:
     from . import bench, demo
     p = sub.add_parser("bench", help="optimizer-step microbenchmark; --convergence: fidelity over seeds",
-                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=_plain(bench.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(p)
     steps_default = p.get_default("steps")
     p.set_defaults(steps=None, handler=_bench, bench_steps_default=steps_default)
@@ -57,7 +63,7 @@ def _bench(args) -> int:
 def _plan_parser(sub) -> None:
     from . import plan
     p = sub.add_parser("plan", help="what fits? optimizer-state and training memory per preset (no GPU needed)",
-                       description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=_plain(plan.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_arguments(p)
     p.set_defaults(handler=plan.run)
 

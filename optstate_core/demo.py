@@ -53,7 +53,7 @@ class DemoConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup_steps: int = 20
-    eval_every: int = 50
+    eval_every: int = 25
     eval_batches: int = 8
     seed: int = 0
     device: str = "cpu"
@@ -446,6 +446,9 @@ def plot(results: Sequence[RunResult], path: Path, title: str = "") -> None:
         val = [(row["step"], row["val_loss"]) for row in r.rows if row["val_loss"] is not None]
         if val:
             ax_loss.plot(*zip(*val), color=c, marker="o", ls="--", label=f"{r.name} held-out")
+    vals = [row["val_loss"] for r in results for row in r.rows if row["val_loss"] is not None]
+    if vals:  # the first steps' large losses would flatten the part worth seeing
+        ax_loss.set_ylim(top=max(vals) + 0.5 * (max(vals) - min(vals)) + 0.05)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss (nats / byte)")
     ax_loss.set_title("loss")
