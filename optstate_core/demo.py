@@ -23,7 +23,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -323,6 +323,8 @@ def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if cuda:  # so that AdamW's step time does not include the tail of backward
+            torch.cuda.synchronize(device)
         t_opt = time.perf_counter()
         opt.step()
         loss_value = loss.item()  # synchronizes on CUDA

@@ -214,3 +214,17 @@ def test_demo_defaults_are_what_the_help_says():
     assert demo.parse_presets(args.presets) == ["8bit", "4bit"]
     assert cfg.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert cfg == demo.DemoConfig(device=cfg.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_demo_on_cuda(tmp_path):
+    out = tmp_path / "cuda"
+    argv = [a if a != "cpu" else "cuda" for a in TINY]
+    assert cli.main(["demo", *argv, "--presets", "8bit,offload", "--out", str(out), "--no-plot"]) == 0
+    _, rows = read_csv(out / "metrics.csv")
+    assert {r["run"] for r in rows} == {"adamw", "optstate-8bit", "optstate-offload"}
+    for r in rows:
+        assert 0 < float(r["gpu_mem_mb"]) <= float(r["gpu_peak_mb"])
+    last = {r["run"]: r for r in rows}
+    assert float(last["optstate-8bit"]["tensor_mem_mb"]) < 0.5 * float(last["adamw"]["tensor_mem_mb"])

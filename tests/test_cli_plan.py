@@ -19,9 +19,10 @@ N_PARAMS = 2 * 64000 + 2 * (2 * 4096 + 2 * 2048 + 3 * 8192 + 2 * 64) + 64  # 202
 FP32_STATE = 2 * 4 * N_PARAMS  # two fp32 states
 # Tensors under 4096 elements stay uncompressed: k, v (2048 elements) and the norms.
 SMALL = 2 * (2 * 2048 + 2 * 64) + 64  # elements per state
-# One state, int8 (blocks of 256 along rows, a 4-byte scale per block): rows * cols + rows * ceil(cols/256) * 4
+# One state, int8 (blocks of 256 along rows, a 4-byte scale per block): rows * cols + rows * ceil(cols/256) * 4,
+# for embed and lm_head; per layer q, o; gate, up; down; then the small tensors in fp32
 INT8_STATE = 2 * (1000 * 64 + 1000 * 4) + 2 * (
-    2 * (64 * 64 + 64 * 4) + 2 * (128 * 64 + 128 * 4) + (64 * 128 + 64 * 4)) + 4 * SMALL  # embed, head; q, o; gate, up; down
+    2 * (64 * 64 + 64 * 4) + 2 * (128 * 64 + 128 * 4) + (64 * 128 + 64 * 4)) + 4 * SMALL
 # 4-bit: two codes per byte, a 4-byte scale per block of 128: rows * cols / 2 + rows * ceil(cols/128) * 4
 INT4_STATE = 2 * (1000 * 32 + 1000 * 4) + 2 * (
     2 * (64 * 32 + 64 * 4) + 2 * (128 * 32 + 128 * 4) + (64 * 64 + 64 * 4)) + 4 * SMALL
