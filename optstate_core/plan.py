@@ -257,7 +257,7 @@ def gib(n: int) -> str:
 def format_plan(plan: Plan) -> str:
     lines = [f"{plan.source}: {plan.n_params:,} parameters ({plan.n_params / 1e9:.3f}B); optimizer {plan.optimizer}",
              f"weights {gib(plan.weights)} + grads {gib(plan.grads)} + activations {gib(plan.activations)} "
-             f"+ optimizer state on the GPU; GPU memory {gib(plan.gpu_memory)}",
+             f"+ optimizer state on the GPU; GPU memory {plan.gpu_memory / 1e9:.1f} GB = {gib(plan.gpu_memory)}",
              "",
              "| preset | state on GPU | state on host | bits/param | total on GPU | fits |",
              "|---|---:|---:|---:|---:|---|"]
