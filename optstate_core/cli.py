@@ -1,54 +1,95 @@
-"""Command line: ``optstate demo`` (also ``python -m optstate_core demo``)."""
+"""optstate: optimizer-state virtualization for PyTorch.
+
+Commands:
+  demo    train a small language model with AdamW and with optstate presets; compare loss,
+          optimizer memory and step time (CPU or CUDA; writes metrics.csv and demo.png)
+  bench   time the optimizer step per configuration; --convergence: held-out loss gap to AdamW
+          over several seeds
+  plan    what fits? optimizer-state and training memory per preset for a model and a GPU
+
+Also runnable as `python -m optstate_core <command>`. `optstate <command> --help` lists
+each command's options.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
-
-import torch
-
-from . import wrap
-from .units import format_bytes
+import textwrap
+from typing import Optional, Sequence
 
 
-def demo(args) -> int:
-    """Train a small MLP with AdamW and with an optstate preset; print state memory saved."""
-    torch.manual_seed(0)
-    results = {}
-    for name in ["adamw", args.preset]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if name != "adamw":
-            opt = wrap(opt, name)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(args.steps):
-            x = torch.randn(64, 256, generator=g)
-            loss = ((model(x) - x.flip(1)) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0) if name == "adamw" else \
-            opt.memory_report()["state_bytes"]
-        results[name] = (loss.item(), state)
-    for name, (loss, state) in results.items():
-        print(f"{name:>8}: final loss {loss:.4f}  optimizer state {format_bytes(state)}")
-    saved = results["adamw"][1] - results[args.preset][1]
-    print(f"memory saved by '{args.preset}': {format_bytes(saved)} ({saved / results['adamw'][1]:.0%})")
-    return 0
+def _plain(doc: str) -> str:
+    """A module docstring as --help text: reST roles and double backquotes removed."""
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", doc or "").replace("``", "")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="optstate", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="train a small model with AdamW and an optstate preset")
-    p.add_argument("--preset", default="8bit", help="optstate preset (default: 8bit)")
-    p.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
-    p.set_defaults(fn=demo)
+def _demo_parser(sub) -> None:
+    from . import demo
+    p = sub.add_parser("demo", help="train a small LM with AdamW and optstate presets, compare them",
+                       description=_plain(demo.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(p)
+    p.set_defaults(handler=demo.run)
+
+
+def _bench_parser(sub) -> None:
+    from . import bench, demo
+    p = sub.add_parser("bench", help="optimizer-step microbenchmark; --convergence: fidelity over seeds",
+                       description=_plain(bench.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(p)
+    steps_default = p.get_default("steps")
+    p.set_defaults(steps=None, handler=_bench, bench_steps_default=steps_default)
+    g = p.add_argument_group("convergence (--convergence)", textwrap.fill(
+        "The demo's training (see `optstate demo --help`) for seeds --seed, --seed + 1, ... with AdamW and each "
+        "preset: each preset's final held-out loss gap to AdamW next to AdamW's own seed-to-seed spread. With "
+        f"--convergence, --steps is the number of training steps per run (default: {demo.DemoConfig.steps}) and "
+        "--device picks the training device.", width=88))
+    g.add_argument("--convergence", action="store_true", help="run the convergence benchmark instead")
+    g.add_argument("--seeds", type=int, default=3, help="seeds per preset, at least 2 (default: %(default)s)")
+    g.add_argument("--out", default=None, help="also write convergence.csv (one row per run and seed) here")
+    demo.add_training_arguments(g, skip=("steps", "device"))
+
+
+def _bench(args) -> int:
+    from . import bench, convergence
+    if args.convergence:
+        return convergence.run(args)
+    if args.steps is None:
+        args.steps = args.bench_steps_default
+    return bench.run(args)
+
+
+def _plan_parser(sub) -> None:
+    from . import plan
+    p = sub.add_parser("plan", help="what fits? optimizer-state and training memory per preset (no GPU needed)",
+                       description=_plain(plan.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_arguments(p)
+    p.set_defaults(handler=plan.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="optstate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan}")
+    _demo_parser(sub)
+    _bench_parser(sub)
+    _plan_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``optstate``); returns the exit status. Bad arguments exit with status 2."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return args.fn(args)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return args.handler(args)
+    except ValueError as e:  # a bad option value: a usage error, not a traceback (unless --verbose)
+        if args.verbose:
+            raise
+        parser.exit(2, f"optstate {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

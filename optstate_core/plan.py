@@ -1,0 +1,318 @@
+"""``optstate plan``: what fits? Optimizer-state and training memory per preset, without a GPU.
+
+State bytes are computed exactly, the way the optimizer will hold them: for every parameter
+shape and state key the preset's policy picks the codec and the tier (as it does at a step
+after warmup), and the codec's ``nbytes`` gives the payload size. Shapes come from a Hugging
+Face ``config.json`` (Llama / Mistral / Qwen2 / GPT-2 families) or, with only a parameter
+count, from an approximation: the parameters as one matrix with 4096 rows, which ignores
+that norms and biases stay uncompressed (under 0.1% of a large model's parameters).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+log = logging.getLogger("optstate.plan")
+
+Shape = Tuple[int, ...]
+NamedShapes = List[Tuple[str, Shape]]
+
+#: state tensors per parameter of each optimizer (same shape as the parameter)
+OPTIMIZER_STATES = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "sgd": ("momentum_buffer",),
+    "rmsprop": ("square_avg",),
+    "adagrad": ("sum",),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+APPROX_ROWS = 4096
+COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+AFTER_WARMUP = 10**9  # the step at which policies are asked: any warmup is long over
+
+
+def parse_count(text: str) -> int:
+    """``"7B"`` -> 7_000_000_000 (suffixes K, M, B/G, T; decimals allowed: ``"1.5B"``)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]?)\s*", str(text))
+    if not m or m.group(2).lower() not in COUNT_SUFFIXES:
+        raise ValueError(f"--params must be a count such as 125M, 7B or 6738415616, got {text!r}")
+    n = int(round(float(m.group(1)) * COUNT_SUFFIXES[m.group(2).lower()]))
+    if n < 1:
+        raise ValueError(f"--params must be at least 1, got {text!r}")
+    return n
+
+
+def approximate_shapes(n_params: int) -> NamedShapes:
+    """``n_params`` as one ``[4096, n // 4096]`` matrix plus a 1-D remainder.
+
+    Large models are almost all big matrices; this counts the block codecs' per-block scales
+    for rows of ``n // 4096`` elements and ignores that norms and biases (well under 0.1% of a
+    large model) stay uncompressed. Give ``--config`` for exact numbers."""
+    rows = APPROX_ROWS if n_params >= APPROX_ROWS else 1
+    cols, rest = divmod(n_params, rows)
+    shapes: NamedShapes = [("params", (rows, cols) if rows > 1 else (cols,))]
+    if rest:
+        shapes.append(("params.rest", (rest,)))
+    return shapes
+
+
+# -- shapes from a Hugging Face config ------------------------------------------------------
+def _get(config: dict, *keys, default=None):
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    if default is not None:
+        return default
+    raise ValueError(f"--config: missing {' / '.join(keys)}")
+
+
+def config_shapes(config: dict) -> NamedShapes:
+    """Parameter names and shapes of a causal LM described by a Hugging Face ``config.json``.
+
+    Supported: GPT-2 (``model_type`` gpt2) and the Llama family (llama, mistral, qwen2, qwen3 and
+    any config with ``hidden_size`` / ``intermediate_size`` / ``num_hidden_layers`` /
+    ``num_attention_heads``; grouped-query attention through ``num_key_value_heads``).
+    """
+    if not isinstance(config, dict):
+        raise ValueError("--config must hold a JSON object")
+    if "text_config" in config and "hidden_size" not in config:  # multimodal wrapper: its language model
+        config = config["text_config"]
+    model_type = config.get("model_type", "")
+    if model_type == "gpt2" or "n_embd" in config:
+        return _gpt2_shapes(config)
+    if model_type not in ("llama", "mistral", "qwen2", "qwen3", ""):
+        log.warning("model_type %r: computing shapes as for a Llama-style model", model_type)
+    return _llama_shapes(config, model_type)
+
+
+def _llama_shapes(c: dict, model_type: str) -> NamedShapes:
+    vocab = _get(c, "vocab_size")
+    hidden = _get(c, "hidden_size")
+    inter = _get(c, "intermediate_size")
+    layers = _get(c, "num_hidden_layers")
+    heads = _get(c, "num_attention_heads")
+    kv = _get(c, "num_key_value_heads", default=heads)
+    head_dim = c.get("head_dim") or hidden // heads
+    qkv_bias = bool(c.get("attention_bias", False)) or model_type == "qwen2"
+    o_bias = bool(c.get("attention_bias", False))
+    mlp_bias = bool(c.get("mlp_bias", False))
+    tied = bool(c.get("tie_word_embeddings", False))
+    shapes: NamedShapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        attn = [("q_proj", heads * head_dim, hidden, qkv_bias), ("k_proj", kv * head_dim, hidden, qkv_bias),
+                ("v_proj", kv * head_dim, hidden, qkv_bias), ("o_proj", hidden, heads * head_dim, o_bias)]
+        for name, out_f, in_f, bias in attn:
+            shapes.append((f"{p}self_attn.{name}.weight", (out_f, in_f)))
+            if bias:
+                shapes.append((f"{p}self_attn.{name}.bias", (out_f,)))
+        if model_type == "qwen3":
+            shapes += [(f"{p}self_attn.q_norm.weight", (head_dim,)), (f"{p}self_attn.k_norm.weight", (head_dim,))]
+        for name, out_f, in_f in (("gate_proj", inter, hidden), ("up_proj", inter, hidden),
+                                  ("down_proj", hidden, inter)):
+            shapes.append((f"{p}mlp.{name}.weight", (out_f, in_f)))
+            if mlp_bias:
+                shapes.append((f"{p}mlp.{name}.bias", (out_f,)))
+        shapes += [(f"{p}input_layernorm.weight", (hidden,)), (f"{p}post_attention_layernorm.weight", (hidden,))]
+    shapes.append(("model.norm.weight", (hidden,)))
+    if not tied:
+        shapes.append(("lm_head.weight", (vocab, hidden)))
+    return shapes
+
+
+def _gpt2_shapes(c: dict) -> NamedShapes:
+    vocab = _get(c, "vocab_size")
+    d = _get(c, "n_embd", "hidden_size")
+    layers = _get(c, "n_layer", "num_hidden_layers")
+    positions = _get(c, "n_positions", "max_position_embeddings")
+    inner = c.get("n_inner") or 4 * d
+    shapes: NamedShapes = [("transformer.wte.weight", (vocab, d)), ("transformer.wpe.weight", (positions, d))]
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        # GPT-2's Conv1D stores weights as [in_features, out_features]
+        for name, shape in (("ln_1.weight", (d,)), ("ln_1.bias", (d,)),
+                            ("attn.c_attn.weight", (d, 3 * d)), ("attn.c_attn.bias", (3 * d,)),
+                            ("attn.c_proj.weight", (d, d)), ("attn.c_proj.bias", (d,)),
+                            ("ln_2.weight", (d,)), ("ln_2.bias", (d,)),
+                            ("mlp.c_fc.weight", (d, inner)), ("mlp.c_fc.bias", (inner,)),
+                            ("mlp.c_proj.weight", (inner, d)), ("mlp.c_proj.bias", (d,))):
+            shapes.append((p + name, shape))
+    shapes += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    if not c.get("tie_word_embeddings", True):
+        shapes.append(("lm_head.weight", (vocab, d)))
+    return shapes
+
+
+def load_config(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path!r}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config: {path!r} is not valid JSON: {e}") from None
+
+
+# -- state bytes ----------------------------------------------------------------------------
+@dataclass
+class StateBytes:
+    device: int = 0
+    host: int = 0
+    by_codec: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host
+
+
+def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "adamw",
+                dtype: torch.dtype = torch.float32) -> StateBytes:
+    """Bytes of optimizer state between steps: the preset's policy picks codec and tier per
+    (parameter, state key); ``preset=None`` is the unwrapped torch optimizer (raw tensors)."""
+    from .codecs import FP32Codec
+    from .codecs.base import slab_shape
+    from .policy import ParamInfo
+    from .presets import make_policy
+    keys = OPTIMIZER_STATES[optimizer]
+    policy = make_policy(preset) if preset is not None else None
+    out = StateBytes()
+    for index, (name, shape) in enumerate(shapes):
+        info = ParamInfo(index, 0, tuple(shape), dtype, name)
+        rows, cols = slab_shape(shape)
+        for key in keys:
+            if policy is None:
+                codec, tier = FP32Codec(), "device"
+            else:
+                codec = policy.codec_for(info, key, AFTER_WARMUP)
+                tier = policy.tier_for(info, key, AFTER_WARMUP)
+            nbytes = codec.nbytes(rows, cols, dtype)
+            if tier == "host":
+                out.host += nbytes
+            else:
+                out.device += nbytes
+            out.by_codec[codec.name] = out.by_codec.get(codec.name, 0) + nbytes
+    return out
+
+
+@dataclass
+class PlanRow:
+    name: str
+    state: StateBytes
+    total_gpu: int
+    fits: bool
+    bits_per_param: float
+
+
+@dataclass
+class Plan:
+    n_params: int
+    weights: int
+    grads: int
+    activations: int
+    gpu_memory: int
+    rows: List[PlanRow]
+    optimizer: str
+    source: str
+
+
+def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", presets: Sequence[str] = (),
+              weights_dtype: str = "fp32", grads_dtype: Optional[str] = None, activations: int = 0,
+              source: str = "") -> Plan:
+    """Per preset (and for the unwrapped optimizer first): state on GPU and host, the GPU total
+    (weights + grads + state on GPU + activations) and whether it fits in ``gpu_memory``."""
+    from .metrics import bits_per_param
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    for arg, value in (("--weights-dtype", weights_dtype), ("--grads-dtype", grads_dtype or weights_dtype)):
+        if value not in DTYPES:
+            raise ValueError(f"{arg} must be one of {', '.join(DTYPES)}, got {value!r}")
+    wdtype, gdtype = DTYPES[weights_dtype], DTYPES[grads_dtype or weights_dtype]
+    n = sum(math.prod(s) for _, s in shapes)
+    weights = n * _itemsize(wdtype)
+    grads = n * _itemsize(gdtype)
+    rows = []
+    for preset in [None, *presets]:
+        st = state_bytes(shapes, preset, optimizer, wdtype)
+        total = weights + grads + st.device + activations
+        rows.append(PlanRow(f"torch {optimizer}" if preset is None else preset, st, total, total <= gpu_memory,
+                            bits_per_param(st.total, n)))
+    return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [f"{plan.source}: {plan.n_params:,} parameters ({plan.n_params / 1e9:.3f}B); optimizer {plan.optimizer}",
+             f"weights {gib(plan.weights)} + grads {gib(plan.grads)} + activations {gib(plan.activations)} "
+             f"+ optimizer state on the GPU; GPU memory {plan.gpu_memory / 1e9:.1f} GB = {gib(plan.gpu_memory)}",
+             "",
+             "| preset | state on GPU | state on host | bits/param | total on GPU | fits |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in plan.rows:
+        lines.append(f"| {r.name} | {gib(r.state.device)} | {gib(r.state.host)} | {r.bits_per_param:.1f} | "
+                     f"{gib(r.total_gpu)} | {'yes' if r.fits else 'no'} |")
+    fitting = [r.name for r in plan.rows if r.fits]
+    lines.append("")
+    lines.append(f"fits: {', '.join(fitting)}" if fitting else
+                 "nothing fits: fewer activations (smaller batch, activation checkpointing), bf16 weights and "
+                 "grads, or shard the model (FSDP) across GPUs")
+    lines.append("During step() a compressed preset also materializes up to chunk_bytes (64 MiB by default) of "
+                 "full-precision state at a time; offloaded state needs pinned host memory of its size.")
+    return "\n".join(lines)
+
+
+# -- command line ---------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .presets import PRESETS
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="parameter count, e.g. 125M, 7B, 6.7e9 (approximated as large "
+                     "matrices with rows of 4096; prefer --config for exact numbers)")
+    src.add_argument("--config", help="a Hugging Face config.json (Llama, Mistral, Qwen2/3, GPT-2 families): "
+                     "exact parameter shapes")
+    parser.add_argument("--gpu-memory", default="80GB",
+                        help="GPU memory, e.g. 80GB (=80e9 bytes), 24GiB (default: %(default)s)")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
+                        help="the optimizer being wrapped: adamw/adam keep 2 states per parameter, sgd (momentum), "
+                             "rmsprop and adagrad 1 (default: %(default)s)")
+    parser.add_argument("--weights-dtype", default="fp32", choices=sorted(DTYPES),
+                        help="dtype of the trained (master) weights; optimizer state follows it "
+                             "(default: %(default)s)")
+    parser.add_argument("--grads-dtype", default=None, choices=sorted(DTYPES),
+                        help="dtype of the gradients (default: the weights dtype)")
+    parser.add_argument("--activations", default="0",
+                        help="activation memory at your batch size, e.g. 10GB: measure it or estimate it "
+                             "(default: 0)")
+    parser.add_argument("--presets", default=",".join(p for p in PRESETS if p != "default"),
+                        help="comma-separated presets to show (default: %(default)s)")
+
+
+def plan_from_args(args) -> Plan:
+    from .demo import parse_presets
+    from .units import parse_bytes
+    gpu = parse_bytes(args.gpu_memory, "--gpu-memory")
+    activations = 0 if str(args.activations).strip() in ("0", "") else parse_bytes(args.activations, "--activations")
+    if args.config:
+        shapes, source = config_shapes(load_config(args.config)), args.config
+    else:
+        n = parse_count(args.params)
+        shapes, source = approximate_shapes(n), f"--params {args.params} (approximate shapes)"
+    return make_plan(shapes, gpu, args.optimizer, parse_presets(args.presets), args.weights_dtype,
+                     args.grads_dtype, activations, source)
+
+
+def run(args) -> int:
+    print(format_plan(plan_from_args(args)))
+    return 0

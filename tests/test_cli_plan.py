@@ -1,0 +1,156 @@
+"""``optstate plan``: shapes from configs, state bytes per preset against hand computation and
+against what the optimizer really holds, and the command line."""
+import json
+import math
+
+import pytest
+import torch
+
+import optstate_core as oc
+from optstate_core import cli, plan
+
+# Llama-style, grouped-query attention (2 KV heads of 16), untied lm_head.
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "tie_word_embeddings": False}
+# By hand: embed and lm_head [1000, 64]; per layer q, o [64, 64], k, v [32, 64], gate, up [128, 64],
+# down [64, 128], 2 norms [64]; final norm [64].
+N_PARAMS = 2 * 64000 + 2 * (2 * 4096 + 2 * 2048 + 3 * 8192 + 2 * 64) + 64  # 202048
+FP32_STATE = 2 * 4 * N_PARAMS  # two fp32 states
+# Tensors under 4096 elements stay uncompressed: k, v (2048 elements) and the norms.
+SMALL = 2 * (2 * 2048 + 2 * 64) + 64  # elements per state
+# One state, int8 (blocks of 256 along rows, a 4-byte scale per block): rows * cols + rows * ceil(cols/256) * 4,
+# for embed and lm_head; per layer q, o; gate, up; down; then the small tensors in fp32
+INT8_STATE = 2 * (1000 * 64 + 1000 * 4) + 2 * (
+    2 * (64 * 64 + 64 * 4) + 2 * (128 * 64 + 128 * 4) + (64 * 128 + 64 * 4)) + 4 * SMALL
+# 4-bit: two codes per byte, a 4-byte scale per block of 128: rows * cols / 2 + rows * ceil(cols/128) * 4
+INT4_STATE = 2 * (1000 * 32 + 1000 * 4) + 2 * (
+    2 * (64 * 32 + 64 * 4) + 2 * (128 * 32 + 128 * 4) + (64 * 64 + 64 * 4)) + 4 * SMALL
+
+
+def test_hand_computed_numbers():
+    assert (N_PARAMS, INT8_STATE, INT4_STATE) == (202048, 239168, 142400)  # the arithmetic above
+    shapes = plan.config_shapes(TINY_LLAMA)
+    assert sum(math.prod(s) for _, s in shapes) == N_PARAMS
+    gpu = 2_000_000
+    p = plan.make_plan(shapes, gpu, "adamw", ["8bit", "4bit", "offload"])
+    rows = {r.name: r for r in p.rows}
+    assert p.weights == p.grads == 4 * N_PARAMS
+    assert (rows["torch adamw"].state.device, rows["torch adamw"].state.host) == (FP32_STATE, 0)
+    assert (rows["8bit"].state.device, rows["8bit"].state.host) == (2 * INT8_STATE, 0)
+    assert (rows["4bit"].state.device, rows["4bit"].state.host) == (2 * INT4_STATE, 0)
+    assert (rows["offload"].state.device, rows["offload"].state.host) == (0, 2 * INT8_STATE)
+    assert rows["8bit"].total_gpu == 8 * N_PARAMS + 2 * INT8_STATE == 2_094_720
+    assert rows["4bit"].total_gpu == 8 * N_PARAMS + 2 * INT4_STATE == 1_901_184
+    assert [r.name for r in p.rows if r.fits] == ["4bit", "offload"]
+    assert rows["8bit"].bits_per_param == pytest.approx(8 * 2 * INT8_STATE / N_PARAMS)
+
+
+def test_activations_dtypes_and_one_state_optimizers():
+    shapes = plan.config_shapes(TINY_LLAMA)
+    p = plan.make_plan(shapes, 10**9, "sgd", ["8bit"], weights_dtype="bf16", grads_dtype="fp32", activations=12345)
+    torch_row, int8_row = p.rows
+    assert p.weights == 2 * N_PARAMS and p.grads == 4 * N_PARAMS
+    assert torch_row.state.device == 2 * N_PARAMS  # one bf16 momentum buffer
+    assert torch_row.total_gpu == 2 * N_PARAMS + 4 * N_PARAMS + 2 * N_PARAMS + 12345
+    assert int8_row.state.device == INT8_STATE - 2 * SMALL  # one int8 momentum buffer; small tensors in bf16
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16", "8bit", "4bit", "offload"])
+def test_plan_matches_what_the_optimizer_holds(preset):
+    shapes = plan.config_shapes(TINY_LLAMA)
+    expected = plan.state_bytes(shapes, preset)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for _, s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = oc.wrap(torch.optim.AdamW(params), preset)
+    opt.step()
+    report = opt.memory_report()
+    assert (report["device_bytes"], report["host_bytes"]) == (expected.device, expected.host)
+
+
+@pytest.mark.parametrize("model_type,kwargs", [
+    ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=32)),
+    ("mistral", dict(num_key_value_heads=1)),
+    ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    ("gpt2", None),
+])
+def test_config_shapes_match_transformers(model_type, kwargs):
+    transformers = pytest.importorskip("transformers")
+    if model_type == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)
+    else:
+        cfg = transformers.AutoConfig.for_model(model_type, vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, **kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    real = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert dict(plan.config_shapes(cfg.to_dict())) == real
+
+
+@pytest.mark.parametrize("text,n", [("7B", 7 * 10**9), ("125M", 125 * 10**6), ("1.5b", 1_500_000_000),
+                                    ("6738415616", 6738415616), ("2e3", 2000), ("3K", 3000)])
+def test_parse_count(text, n):
+    assert plan.parse_count(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "7X", "-1B", "0", "B"])
+def test_parse_count_rejects(text):
+    with pytest.raises(ValueError, match="--params"):
+        plan.parse_count(text)
+
+
+def test_approximate_shapes_keep_the_count():
+    for n in (7 * 10**9, 4096 * 3 + 5, 100):
+        shapes = plan.approximate_shapes(n)
+        assert sum(math.prod(s) for _, s in shapes) == n
+    # 7B as [4096, 1708984] (int8: a byte per element + 4 bytes per block of 256 along a row) plus a
+    # 1-D remainder of 1536 elements (fp32: under 4096 elements), per state
+    main = 4096 * 1708984
+    assert main + 1536 == 7 * 10**9
+    st = plan.state_bytes(plan.approximate_shapes(7 * 10**9), "8bit")
+    assert st.device == 2 * (main + 4096 * 6676 * 4 + 1536 * 4)
+
+
+def test_cli_plan_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    assert cli.main(["plan", "--config", str(path), "--gpu-memory", "2000000", "--presets", "8bit,4bit"]) == 0
+    out = capsys.readouterr().out
+    assert f"{N_PARAMS:,} parameters" in out
+    lines = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert lines["8bit"].rstrip().endswith("| no |") and lines["4bit"].rstrip().endswith("| yes |")
+    assert f"{2 * INT4_STATE / 2**30:.2f} GiB" in lines["4bit"]
+    assert "fits: 4bit" in out
+
+
+def test_cli_plan_params(capsys):
+    assert cli.main(["plan", "--params", "7B", "--gpu-memory", "80GB", "--activations", "5GB"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"torch adamw", "fp32", "bf16", "8bit", "4bit", "offload"}
+    # 7B fp32: weights + grads 56 GB + 5 GB activations; AdamW state 56 GB does not fit in 80 GB, int8 (14.2 GB) does
+    assert rows["torch adamw"].rstrip().endswith("| no |") and rows["8bit"].rstrip().endswith("| yes |")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan"], "--params"),
+    (["plan", "--params", "7Q"], "--params"),
+    (["plan", "--params", "7B", "--gpu-memory", "lots"], "--gpu-memory"),
+    (["plan", "--params", "7B", "--activations", "-3GB"], "--activations"),
+    (["plan", "--params", "7B", "--presets", "9bit"], "--presets"),
+    (["plan", "--config", "/nonexistent/config.json"], "--config"),
+])
+def test_cli_plan_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_missing_keys(tmp_path):
+    with pytest.raises(ValueError, match="intermediate_size"):
+        plan.config_shapes({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+                            "num_attention_heads": 2})
