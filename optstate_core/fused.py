@@ -202,13 +202,15 @@ class FusedPath:
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
             adam_kernel[(n_prog,)](
                 P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, cols, nbr, nblocks, prog_t, prog_b,
-                lr_ptr, lr_val, beta1, beta2, math.log2(beta1) if beta1 > 0 else -1e30,
-                math.log2(beta2) if beta2 > 0 else -1e30, float(group["eps"]), float(group["weight_decay"]),
+                lr_ptr, lr_val, beta1, beta2, math.log(beta1) if beta1 > 0 else -1e30,
+                math.log(beta2) if beta2 > 0 else -1e30, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
+                float(group["eps"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), *self._tables(v_codec, device),
                 M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
                 M_SR=bool(m_codec.stochastic_rounding), V_SR=bool(v_codec.stochastic_rounding),
                 P_SR=self.stochastic_param_rounding and p_kind == 1,
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
+                M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, **common)
             advance_steps_kernel[(n,)](STEPS, flags, CHECK_FINITE=check)
         else:
@@ -216,13 +218,18 @@ class FusedPath:
                 P, G, M, MS, flags, KEYS, cols, nbr, nblocks, prog_t, prog_b,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
-                M_LEVELS=self._n_levels(m_codec), NESTEROV=bool(group["nesterov"]), **common)
+                M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), NESTEROV=bool(group["nesterov"]),
+                **common)
         if check:
             total = flags.sum()
             self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
         bucket.first = False
         engine.metrics.fused_params += n
         engine.metrics.kernel_launches += (2 if check else 1) + (plan["kind"] == "adam")
+
+    @staticmethod
+    def _inv_power(codec) -> float:
+        return 1.0 / codec.effective_power if isinstance(codec, Int4Codec) else 0.5
 
     @staticmethod
     def _n_levels(codec) -> int:

@@ -44,7 +44,8 @@ def sig(fn, types):
     return {n: types.get(n, PTR) for n in names}
 
 
-adam_scalars = {"lr": "fp32", "beta1": "fp32", "beta2": "fp32", "log2_beta1": "fp32", "log2_beta2": "fp32",
+adam_scalars = {"lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32",
+                "one_minus_beta1": "fp32", "one_minus_beta2": "fp32",
                 "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
                 "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
                 "PROG_T": "*i32", "PROG_B": "*i32"}
@@ -55,6 +56,7 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     if not args.all and (first or not check) and (mk, vk) != (2, 2):
         continue
     const = dict(P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=False, V_SR=mk == 3, P_SR=False, M_LEVELS=15, V_LEVELS=16,
+                 M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
                  NBLK=4, ALIGNED=aligned, FAST_MATH=fast)
     s = sig(adam_kernel, adam_scalars)
@@ -74,7 +76,7 @@ for aligned in (True, False):
     s = sig(sgd_kernel, {"lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_T": "*i32", "PROG_B": "*i32"})
-    c = dict(P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, NESTEROV=True, MAXIMIZE=False, FIRST=False,
+    c = dict(P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
              CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned)
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)

@@ -60,7 +60,8 @@ class Int4Codec(Codec):
         self.stochastic_rounding = bool(stochastic_rounding)
         self.power = power
         is_signed = signed is not False
-        self.levels = int4_levels(is_signed, power or (2.0 if is_signed else 4.0))
+        self.effective_power = float(power or (2.0 if is_signed else 4.0))
+        self.levels = int4_levels(is_signed, self.effective_power)
         self.midpoints = int4_midpoints(self.levels, is_signed)
         self._tables = {}
 
@@ -83,12 +84,12 @@ class Int4Codec(Codec):
                 "scales": ((rows, nb), torch.float32, self.block_size)}
 
     def tables(self, device):
-        """(levels, midpoints padded with +inf to 15, 16-entry decode table) on ``device``."""
+        """(levels, midpoints padded with +inf to 16, 16-entry decode table) on ``device``."""
         key = str(device)
         if key not in self._tables:
             lut = torch.zeros(16)
             lut[: len(self.levels)] = self.levels
-            mids = torch.full((15,), float("inf"))
+            mids = torch.full((16,), float("inf"))
             mids[: len(self.midpoints)] = self.midpoints
             self._tables[key] = (self.levels.to(device), mids.to(device), lut.to(device))
         return self._tables[key]

@@ -58,6 +58,14 @@ def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr, ALIGNED: tl.cons
 
 
 @triton.jit
+def one_minus_pow(step, ln_beta):
+    """1 - beta**step without cancellation: -expm1(step * ln(beta)), by a series when small."""
+    x = step * ln_beta
+    series = -x * (1.0 + x * (0.5 + x * (0.16666666666666666 + x * (0.041666666666666664 + x * 0.008333333333333333))))
+    return tl.where(x > -0.05, series, 1.0 - tl.exp(x))
+
+
+@triton.jit
 def _aligned_offsets(t, b0, NBLOCKS, NBLK: tl.constexpr):
     nblocks = tl.load(NBLOCKS + t)
     j = b0 + tl.arange(0, NBLK)
@@ -65,6 +73,7 @@ def _aligned_offsets(t, b0, NBLOCKS, NBLK: tl.constexpr):
     k = tl.arange(0, 256)
     elem = j[:, None] * 256 + k[None, :]
     mask = tl.broadcast_to(ok[:, None], (NBLK, 256))
+    pbyte = elem >> 1
     kp = tl.arange(0, 128)
     pair = j[:, None] * 128 + kp[None, :]
     pmask = tl.broadcast_to(ok[:, None], (NBLK, 128))
@@ -72,7 +81,7 @@ def _aligned_offsets(t, b0, NBLOCKS, NBLK: tl.constexpr):
     s4 = 2 * j[:, None] + h
     s4mask = tl.broadcast_to(ok[:, None], (NBLK, 2))
     s8 = tl.where(ok, j, -1)
-    return elem, mask, pair, pmask, s8, s4, s4mask
+    return elem, mask, pair, pmask, s8, s4, s4mask, pbyte
 
 
 @triton.jit
@@ -92,22 +101,23 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
     k = tl.arange(0, 128)[None, :]
     pair = row[:, None] * pcols + bc[:, None] * 128 + k
     pmask = ok[:, None] & (bc[:, None] * 256 + 2 * k < cols)
+    pbyte = row[:, None] * pcols + (col >> 1)
     nb128 = (cols + 127) // 128
     h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
     s4 = row[:, None] * nb128 + 2 * bc[:, None] + h
     s4mask = ok[:, None] & (2 * bc[:, None] + h < nb128)
     s8 = tl.where(ok, j, -1)
-    return elem, mask, pair, pmask, s8, s4, s4mask
+    return elem, mask, pair, pmask, s8, s4, s4mask, pbyte
 
 
 @triton.jit
 def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
                 COLS, NBR, NBLOCKS, PROG_T, PROG_B,
-                lr_ptr, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+                lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
                 P_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
                 M_SR: tl.constexpr, V_SR: tl.constexpr, P_SR: tl.constexpr,
-                M_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr,
+                M_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, M_INV_POW: tl.constexpr, V_INV_POW: tl.constexpr,
                 AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False):
@@ -117,7 +127,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
         if tl.load(FLAGS + t) != 0:
             return
     b0 = tl.load(PROG_B + pid)
-    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
+    elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
 
     p_ptr = param_pointer(tl.load(P + t), P_KIND)
     g_ptr = param_pointer(tl.load(G + t), P_KIND)
@@ -127,8 +137,8 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
     step = tl.load(tl.load(STEPS + t).to(tl.pointer_type(tl.float32))) + 1.0
-    bc1 = 1.0 - tl.exp2(step * log2_beta1)
-    bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+    bc1 = one_minus_pow(step, ln_beta1)
+    bc2_sqrt = tl.sqrt_rn(one_minus_pow(step, ln_beta2))
     step_size = tl.math.div_rn(lr, bc1)
     inv_bc2_sqrt = 1.0 / bc2_sqrt
 
@@ -147,19 +157,18 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
         m = tl.zeros(p.shape, dtype=tl.float32)
         v = tl.zeros(p.shape, dtype=tl.float32)
     else:
-        m = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
-        v = load_state(v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False, NBLK)
+        m = load_state(m_addr, ms_addr, elem, mask, pbyte, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
+        v = load_state(v_addr, vs_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK)
 
-    m = m + (1.0 - beta1) * (g - m)  # torch's lerp for weights < 0.5
-    v = v * beta2 + ((1.0 - beta2) * g) * g
+    m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
+    v = v * beta2 + (one_minus_beta2 * g) * g
     if AMSGRAD:
         vm_addr = tl.load(VM + t)
         vms_addr = tl.load(VMS + t)
         if FIRST:
             vmax = v
         else:
-            vmax = load_state(vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False,
-                              NBLK)
+            vmax = load_state(vm_addr, vms_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK)
             vmax = tl.maximum(vmax, v)
         vv = vmax
     else:
@@ -172,13 +181,13 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
     m_key = tl.load(KEYS + 4 * t).to(tl.uint32)
     v_key = tl.load(KEYS + 4 * t + 1).to(tl.uint32)
     store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, m_levels, m_mids,
-                M_KIND, True, M_SR, M_LEVELS, NBLK)
+                M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
     store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, v_levels, v_mids,
-                V_KIND, False, V_SR, V_LEVELS, NBLK)
+                V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
     if AMSGRAD:
         vm_key = tl.load(KEYS + 4 * t + 2).to(tl.uint32)
         store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, vm_key, v_levels, v_mids,
-                    V_KIND, False, V_SR, V_LEVELS, NBLK)
+                    V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
     store_param(p, p_ptr, elem, mask, KEYS + 4 * t + 3, P_KIND, P_SR)
 
 

@@ -121,8 +121,12 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
 # -- 4-bit codebook -------------------------------------------------------------------------------
 @triton.jit
 def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: tl.constexpr,
-                SR: tl.constexpr):
-    """Codes (int32) of values normalized by their block absmax (codecs/int4.py codes_of)."""
+                SR: tl.constexpr, INV_POW: tl.constexpr):
+    """Codes (int32) of values normalized by their block absmax (codecs/int4.py codes_of).
+
+    Nearest: the level map is ``(j / n) ** p``, so ``round(n * |y| ** (1 / p))`` is within one
+    code of the nearest-by-midpoint code; one comparison on each side makes it exact (the
+    midpoint table is padded with +inf to 16 entries)."""
     y = tl.where(y == y, y, 0.0)
     if SIGNED:
         y = tl.minimum(tl.maximum(y, -1.0), 1.0)
@@ -140,10 +144,21 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
         code = lo + (u < p).to(tl.int32)
         if not SIGNED:
             code = tl.where(y > 0, tl.maximum(code, 1), code)
-    else:  # binary search: the number of midpoints below y (the table is padded with +inf to 15)
-        for i in tl.static_range(4):
-            cand = code + (8 >> i)
-            code = tl.where(tl.load(mids_ptr + cand - 1) < y, cand, code)
+    else:
+        if INV_POW == 0.5:
+            r = tl.sqrt(tl.abs(y))
+        elif INV_POW == 0.25:
+            r = tl.sqrt(tl.sqrt(tl.abs(y)))
+        else:
+            r = tl.exp2(tl.log2(tl.abs(y)) * INV_POW)
+        if SIGNED:
+            idx = (r * 7.0 + 0.5).to(tl.int32)
+            code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
+        else:
+            code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
+        above = tl.load(mids_ptr + code)
+        below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
+        code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
     return code
 
 
@@ -155,10 +170,11 @@ def per_half(v, NBLK: tl.constexpr):
 
 # -- load / store one state tile of any kind --------------------------------------------------------
 @triton.jit
-def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, lut_ptr,
+def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr,
                KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
-    """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pair`` packed-byte offsets
-    ([NBLK, 128]), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
+    """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pbyte`` the packed byte of each
+    element ([NBLK, 256]: each byte is read by its two elements, which keeps every array in one
+    register layout), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
     if KIND == FP32:
         return tl.load(aligned(data_addr, tl.float32) + elem, mask=mask, other=0.0)
     elif KIND == BF16:
@@ -168,8 +184,8 @@ def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, l
         s = tl.load(aligned(scale_addr, tl.float32) + s8, mask=s8 >= 0, other=0.0)
         return decode_int8(c, SIGNED) * s[:, None]
     else:
-        b = tl.load(aligned(data_addr, tl.uint8) + pair, mask=pmask, other=0).to(tl.int32)
-        c = tl.reshape(tl.join(b & 15, b >> 4), (NBLK, 256))
+        b = tl.load(aligned(data_addr, tl.uint8) + pbyte, mask=mask, other=0).to(tl.int32)
+        c = (b >> ((tl.arange(0, 256) & 1) * 4)[None, :]) & 15
         v = tl.load(lut_ptr + c)
         s = tl.load(aligned(scale_addr, tl.float32) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
         s = tl.reshape(tl.broadcast_to(tl.reshape(s, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
@@ -179,7 +195,7 @@ def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, l
 @triton.jit
 def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, levels_ptr, mids_ptr,
                 KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                NBLK: tl.constexpr):
+                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5):
     """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales."""
     if KIND == FP32:
         tl.store(aligned(data_addr, tl.float32) + elem, x, mask=mask)
@@ -209,7 +225,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
             rb = random_bits(key, elem)
         else:
             rb = 0
-        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR)
+        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW)
         codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
         lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
         tl.store(aligned(data_addr, tl.uint8) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)

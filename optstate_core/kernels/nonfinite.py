@@ -14,7 +14,7 @@ def nonfinite_flags_kernel(G, FLAGS, COLS, NBR, NBLOCKS, PROG_T, PROG_B, P_KIND:
     pid = tl.program_id(0)
     t = tl.load(PROG_T + pid)
     b0 = tl.load(PROG_B + pid)
-    elem, mask, _, _, _, _, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
+    elem, mask, _, _, _, _, _, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     g = tl.load(param_pointer(tl.load(G + t), P_KIND) + elem, mask=mask, other=0.0).to(tl.float32)
     bad = tl.max(tl.where(tl.abs(g) < float("inf"), 0, 1))  # NaN compares false: counted too
     if bad != 0:

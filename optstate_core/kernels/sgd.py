@@ -13,6 +13,7 @@ from .codec_ops import load_state, store_state
 def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
+               M_INV_POW: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
                LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
     pid = tl.program_id(0)
@@ -21,7 +22,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
         if tl.load(FLAGS + t) != 0:
             return
     b0 = tl.load(PROG_B + pid)
-    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
+    elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr = param_pointer(tl.load(P + t), P_KIND)
     g_ptr = param_pointer(tl.load(G + t), P_KIND)
     p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
@@ -36,7 +37,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
     if FIRST:
         buf = g  # torch: torch.clone(grad) on the first step, no dampening
     else:
-        buf = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
+        buf = load_state(m_addr, ms_addr, elem, mask, pbyte, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
         buf = buf * momentum + (1.0 - dampening) * g
     if NESTEROV:
         g = g + momentum * buf
@@ -44,5 +45,5 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
         g = buf
     p = p - lr * g
     store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, tl.load(KEYS + 4 * t).to(tl.uint32),
-                m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK)
+                m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
     store_param(p, p_ptr, elem, mask, KEYS + 4 * t + 3, P_KIND, False)

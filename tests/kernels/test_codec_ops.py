@@ -20,14 +20,14 @@ NBLK = 2
 @triton.jit
 def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B, levels, mids,
                   KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                  NBLK: tl.constexpr):
+                  NBLK: tl.constexpr, INV_POW: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(PROG_T + pid)
-    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, tl.load(PROG_B + pid).to(tl.int64), COLS, NBR,
-                                                           NBLOCKS, NBLK)
+    elem, mask, pair, pmask, s8, s4, s4mask, _ = tile_offsets(t, tl.load(PROG_B + pid).to(tl.int64), COLS, NBR,
+                                                              NBLOCKS, NBLK)
     x = tl.load(tl.load(X + t).to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
     store_state(x, tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask,
-                tl.load(KEYS + t).to(tl.uint32), levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK)
+                tl.load(KEYS + t).to(tl.uint32), levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW)
 
 
 @triton.jit
@@ -35,14 +35,14 @@ def decode_kernel(OUT, D, S, COLS, NBR, NBLOCKS, PROG_T, PROG_B, lut,
                   KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(PROG_T + pid)
-    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, tl.load(PROG_B + pid).to(tl.int64), COLS, NBR,
-                                                           NBLOCKS, NBLK)
-    x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask, lut, KIND, SIGNED, NBLK)
+    elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, tl.load(PROG_B + pid).to(tl.int64), COLS, NBR,
+                                                                  NBLOCKS, NBLK)
+    x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pbyte, s8, s4, s4mask, lut, KIND, SIGNED, NBLK)
     tl.store(tl.load(OUT + t).to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
 
 
 SHAPES = [(3, 700), (257,), (1, 1), (5, 256), (2, 3, 129)]
-CODECS = [oc.Int8Codec(), oc.Int8Codec(stochastic_rounding=True), oc.Int4Codec(),
+CODECS = [oc.Int8Codec(), oc.Int8Codec(stochastic_rounding=True), oc.Int4Codec(), oc.Int4Codec(power=3.0),
           oc.Int4Codec(stochastic_rounding=True), oc.BF16Codec(), oc.BF16Codec(stochastic_rounding=True)]
 
 
@@ -84,7 +84,8 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
     signed = not nonnegative
     encode_kernel[(n_prog,)](X, D, S, launch.device_table(keys, dev), cols, nbr, nblocks, prog_t, prog_b, levels, mids,
                              KIND=kind, SIGNED=signed, SR=codec.stochastic_rounding,
-                             N_LEVELS=len(levels) if kind == 3 else 2, NBLK=NBLK)
+                             N_LEVELS=len(levels) if kind == 3 else 2, NBLK=NBLK,
+                             INV_POW=1.0 / codec.effective_power if kind == 3 else 0.5)
     for ref, out in zip(refs, outs):
         for name in ref.payload:  # bit-identical (NaN counts as equal to NaN)
             torch.testing.assert_close(out.payload[name], ref.payload[name], rtol=0, atol=0, equal_nan=True)
