@@ -72,6 +72,7 @@ def build_state_dict(opt: "VirtualOptimizer") -> dict:
     for hook in opt._optimizer_state_dict_pre_hooks.values():
         hook(opt)
     engine = opt._engine
+    engine.sync_transfers()  # offloaded state must be written back before it is read
     groups, state = [], {}
     index = 0
     for g in opt.param_groups:
@@ -180,6 +181,7 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
             st[key] = dst
 
     # Everything validated: commit.
+    engine.sync_transfers()
     engine.invalidate_plan()
     engine.state.clear()
     engine.state.update(new_state)
@@ -223,6 +225,7 @@ def to_plain_state_dict(state_dict: dict, device="cpu") -> dict:
 def export_state_dict(opt: "VirtualOptimizer", device="cpu") -> dict:
     """A torch-format state_dict with every state decoded (for the unwrapped optimizer)."""
     engine = opt._engine
+    engine.sync_transfers()
     groups, state, index = [], {}, 0
     for g in opt.param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}

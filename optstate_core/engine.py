@@ -147,7 +147,8 @@ class Engine:
     def __init__(self, inner: torch.optim.Optimizer, policy: Policy, *, chunk_bytes: int, chunk_size: Optional[int],
                  initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
                  elementwise: Optional[bool], names: Dict[int, str], fused: Optional[bool] = None,
-                 stochastic_param_rounding: bool = False):
+                 stochastic_param_rounding: bool = False, gpu_budget=None, staging_bytes: int = 256 * 2**20,
+                 prefetch_during_backward: bool = False):
         self.inner = inner
         self.policy = policy
         self.state = StateMap()
@@ -166,8 +167,58 @@ class Engine:
         self.observe_closure_loss = True
         self.metrics = StepMetrics()
         self._plan_cache = None
+        self.gpu_budget = gpu_budget  # bytes (int), fraction of free GPU memory (float), or None
+        self.staging_bytes = staging_bytes
+        self.prefetch_during_backward = prefetch_during_backward
+        self.force_tier: Optional[str] = None  # "host" after offload()
+        self.offload_all = False
+        self.resident: Optional[set] = None  # ids of parameters kept on the device under the budget
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
+
+    # -- tiers -------------------------------------------------------------------------------------
+    def tier_of(self, w: "Work", key: str) -> str:
+        """Where a state lives between steps: the policy's answer, then the GPU budget."""
+        if self.force_tier is not None:
+            return self.force_tier
+        tier = self.policy.tier_for(w.info, key, self.step_count)
+        if self.offload_all:
+            return "host"
+        if tier == "device" and self.resident is not None and id(w.param) not in self.resident:
+            return "host"
+        return tier
+
+    def budget_bytes(self, device: torch.device) -> Optional[int]:
+        if self.gpu_budget is None:
+            return None
+        if isinstance(self.gpu_budget, float):
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+            self.gpu_budget = int(free * self.gpu_budget)
+        return self.gpu_budget
+
+    def staging_size(self, device: torch.device) -> int:
+        budget = self.budget_bytes(device)
+        return self.staging_bytes if budget is None else max(4096, min(self.staging_bytes, budget // 2))
+
+    def _assign_residency(self, works: List["Work"]) -> None:
+        """Under a GPU budget: keep state resident in step order while it fits beside the staging
+        ring; the rest streams from host memory every step."""
+        if self.gpu_budget is None or not works:
+            self.resident = None
+            return
+        device = works[0].param.device
+        room = self.budget_bytes(device) - self.staging_size(device)
+        resident = set()
+        for w in works:
+            keys = [k for k, v in w.state.items() if not is_scalar_state(v)] or ["exp_avg", "exp_avg_sq"]
+            need = 0
+            for key in keys:
+                codec = self.policy.codec_for(w.info, key, self.step_count)
+                need += codec.nbytes(w.rows, w.cols, w.param.dtype if not codec.lossless else torch.float32)
+            if need <= room:
+                resident.add(id(w.param))
+                room -= need
+        self.resident = resident
 
     # -- the parameters, as they are now ------------------------------------------------------
     def param_infos(self):
@@ -245,6 +296,7 @@ class Engine:
     def _plan_and_run(self, signature):
         """Plan this step from scratch; run the reference paths; return the fused buckets."""
         works = self.collect()
+        self._assign_residency(works)
         passthrough, fused, tiled = [], [], []
         for w in works:
             if not self._needs_tiles(w):
@@ -279,6 +331,7 @@ class Engine:
             and len(fused) + len(passthrough) == len(works)
         params = [p for b in buckets for p in b.params] + [p for p, _, _ in items]
         self._plan_cache = (signature, buckets, items, self._state_identity(params)) if cacheable else None
+        self.fused.index_offloaded(buckets if cacheable else [])
         return buckets
 
     def _signature(self):
@@ -327,6 +380,33 @@ class Engine:
     def invalidate_plan(self) -> None:
         """Forget the cached step plan (after loading state or moving it between tiers)."""
         self._plan_cache = None
+        self.fused.index_offloaded([])
+
+    # -- whole-state moves -----------------------------------------------------------------------
+    def sync_transfers(self) -> None:
+        """Wait for queued write-backs of offloaded state (before reading or replacing it)."""
+        self.fused.sync()
+
+    def offload(self) -> None:
+        """Move every state to host memory (idempotent)."""
+        self.sync_transfers()
+        self.force_tier = "host"
+        self.conform()
+
+    def reload(self) -> None:
+        """Bring state back to the device as far as the policy and the GPU budget allow."""
+        self.sync_transfers()
+        self.force_tier = None
+        self.resident = None
+        if self.gpu_budget is not None:
+            self._assign_residency([Work(p, info, self.state[p]) for p, info in self.param_infos() if p in self.state])
+        self.conform()
+
+    def close(self) -> None:
+        """Release staging memory, streams and all state (pinned buffers included)."""
+        self.fused.close()
+        self.invalidate_plan()
+        self.state.clear()
 
     def nonfinite_skipped(self) -> int:
         """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""
@@ -346,7 +426,7 @@ class Engine:
             if isinstance(value, EncodedTensor):
                 return True
             codec = self.policy.codec_for(w.info, key, self.step_count)
-            host = self.policy.tier_for(w.info, key, self.step_count) == "host"
+            host = self.tier_of(w, key) == "host"
             if not matches(value, codec, host, w.param.device):
                 return True
         return False
@@ -431,7 +511,7 @@ class Engine:
                 if is_scalar_state(value) or tuple(value.shape) != tuple(w.param.shape):
                     continue
                 codec = self.policy.codec_for(w.info, key, self.step_count)
-                host = self.policy.tier_for(w.info, key, self.step_count) == "host"
+                host = self.tier_of(w, key) == "host"
                 if not matches(value, codec, host, w.param.device):
                     wanted.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key))
         for (codec, host, device, dtype), items in wanted.items():
@@ -516,7 +596,7 @@ class Engine:
 
     def _destination(self, w: Work, key: str, value: torch.Tensor):
         codec = self.policy.codec_for(w.info, key, self.step_count)
-        host = self.policy.tier_for(w.info, key, self.step_count) == "host"
+        host = self.tier_of(w, key) == "host"
         current = w.state.get(key)
         if current is not None and matches(current, codec, host, w.param.device):
             return current
@@ -540,8 +620,10 @@ class Engine:
 
     # -- whole-state conversions (load, offload/reload) -----------------------------------------
     def conform(self, params=None) -> None:
-        """Re-store state in the form the policy wants now (no update), tile by tile."""
+        """Re-store state in the form the policy wants now (no update), tile by tile; a state
+        that only changes tier is copied as it is."""
         self.invalidate_plan()
+        self.sync_transfers()
         wanted = None if params is None else {id(p) for p in params}
         works = []
         for p, info in self.param_infos():
@@ -549,8 +631,30 @@ class Engine:
                 w = Work(p, info, self.state[p])
                 if any(not is_scalar_state(v) for v in w.state.values()) and self._needs_tiles(w):
                     works.append(w)
+        works = self._retier(works)
         if works:
             self._run_tiled(works, update=False)
+
+    def _retier(self, works: List[Work]) -> List[Work]:
+        """Move encoded states whose codec stays the same by copying their payload; return the
+        works that still need a re-encode."""
+        moves: Dict[tuple, list] = {}
+        for w in works:
+            for key, value in w.state.items():
+                if not isinstance(value, EncodedTensor):
+                    continue
+                codec = self.policy.codec_for(w.info, key, self.step_count)
+                host = self.tier_of(w, key) == "host"
+                if value.codec == codec and not matches(value, codec, host, w.param.device):
+                    moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value))
+        for (codec, host, device, dtype), items in moves.items():
+            pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
+            for (w, key, src), dst in zip(items, allocate_many(codec, [v.shape for _, _, v in items], dtype,
+                                                                device, host, pin)):
+                for name, t in dst.payload.items():
+                    t.copy_(src.payload[name])
+                w.state[key] = dst
+        return [w for w in works if self._needs_tiles(w)]
 
 
 def _materialized_bytes(tile: Tile) -> int:

@@ -22,6 +22,7 @@ from .codecs import BF16Codec, EncodedTensor, FP32Codec, Int4Codec, Int8Codec
 from .codecs.rounding import state_seed, stream_key
 from .kernels import interpreting, triton_error
 from .store import allocate_many
+from .transfer import StagingRing, Streams
 
 log = logging.getLogger("optstate")
 
@@ -54,6 +55,12 @@ class FusedPath:
         self.stochastic_param_rounding = stochastic_param_rounding
         self._logged = set()
         self.nonfinite_device: Optional[torch.Tensor] = None
+        self._streams: Optional[Streams] = None
+        self._ring: Optional[StagingRing] = None
+        self.last_writeback = None  # event of the last queued write-back
+        self.prefetched: Dict[int, tuple] = {}  # id(param) -> (ring offset, staged state, upload event)
+        self.prefetched_bytes = 0
+        self._where: Dict[int, tuple] = {}
 
     def _fallback(self, reason: str) -> None:
         if reason not in self._logged:
@@ -99,8 +106,14 @@ class FusedPath:
         kinds = [state_kind(c) for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
-        if any(self.engine.policy.tier_for(w.info, k, step) != "device" for k in keys):
-            return None  # offloaded state: the tiled path streams it
+        tiers = {self.engine.tier_of(w, k) for k in keys}
+        if len(tiers) != 1:
+            return self._fallback("a parameter with states in different tiers")
+        offload = tiers == {"host"}
+        if offload:
+            staged = sum(c.nbytes(w.rows, w.cols, torch.float32 if c.lossless else p.dtype) + 64 for c in codecs)
+            if staged > self.engine.staging_size(p.device):
+                return self._fallback("a parameter's state is larger than the staging ring (raise staging_bytes)")
         present = [k for k in keys if w.state.get(k) is not None]
         first = not present
         if not first:
@@ -108,23 +121,27 @@ class FusedPath:
                 return None
             for key, codec, kd in zip(keys, codecs, kinds):
                 value = w.state[key]
-                if kd == FP32:
+                if offload:
+                    if not (isinstance(value, EncodedTensor) and value.codec == codec and value.host_tier
+                            and value.device.type == "cpu" and value.payload_contiguous()):
+                        return None
+                elif kd == FP32:
                     if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32
                             and value.device == p.device and value.is_contiguous()):
                         return None
                 elif not (isinstance(value, EncodedTensor) and value.codec == codec and not value.host_tier
                           and value.device == p.device):
                     return None
-        if not allow_uncompressed and all(k == FP32 for k in kinds):
+        if not allow_uncompressed and not offload and all(k == FP32 for k in kinds):
             return None  # uncompressed: torch's own implementation (passthrough) is exact
-        return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first}
+        return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first, "offload": offload}
 
     # -- launch ------------------------------------------------------------------------------------------
     def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:
         """Group planned parameters into launches; allocate state on a first step."""
         groups: Dict[tuple, list] = {}
         for w, plan in planned:
-            key = (w.info.group_index, plan["kind"], plan["first"], w.param.dtype, w.param.device,
+            key = (w.info.group_index, plan["kind"], plan["first"], plan["offload"], w.param.dtype, w.param.device,
                    tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]), _aligned(w.param))
             groups.setdefault(key, []).append((w, plan))
         buckets = []
@@ -138,15 +155,18 @@ class FusedPath:
             buckets.append(Bucket(ws, storages, plan))
         return buckets
 
-    @staticmethod
-    def _allocate_missing(ws, plan) -> None:
-        """First step: one allocation per state key for the whole bucket."""
+    def _allocate_missing(self, ws, plan) -> None:
+        """First step: one allocation per state key for the whole bucket (pinned host memory
+        for offloaded state)."""
+        offload = plan["offload"]
+        pin = self.engine.pin_memory if self.engine.pin_memory is not None else ws[0].param.device.type == "cuda"
         for key, codec in zip(plan["keys"], plan["codecs"]):
             missing = [w for w in ws if w.state.get(key) is None]
             if missing:
                 dtype = torch.float32 if codec.lossless else missing[0].param.dtype
-                for w, value in zip(missing, allocate_many(codec, [w.param.shape for w in missing], dtype,
-                                                           missing[0].param.device, host=False, pin_memory=False)):
+                values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
+                                       host=offload, pin_memory=offload and pin)
+                for w, value in zip(missing, values):
                     w.state[key] = value
 
     def _storage(self, w, plan):
@@ -159,7 +179,122 @@ class FusedPath:
                     w.param.device, torch.float32)
         return out
 
+    def __getstate__(self):
+        self.sync()
+        state = dict(self.__dict__)
+        state.update(_streams=None, _ring=None, last_writeback=None, prefetched={}, prefetched_bytes=0, _where={})
+        return state
+
+    # -- streamed (offloaded) buckets ---------------------------------------------------------------
+    def streams(self, device) -> Streams:
+        if self._streams is None or self._streams.device != device:
+            self._streams = Streams(device)
+        return self._streams
+
+    def ring(self, device) -> StagingRing:
+        if self._ring is None:
+            self._ring = StagingRing(self.engine.staging_size(device), device, self.streams(device))
+        return self._ring
+
+    def sync(self) -> None:
+        """Wait for queued write-backs (before the host payloads are read, replaced or freed)."""
+        if self.last_writeback is not None:
+            self.last_writeback.synchronize()
+            self.last_writeback = None
+
+    def close(self) -> None:
+        self.sync()
+        self._ring = None
+        self._streams = None
+        self.prefetched.clear()
+
+    def _stage(self, bucket, idx, start):
+        """Device views (in the ring, from ``start``) for the states of bucket parameters ``idx``."""
+        staged, off = [], start
+        for i in idx:
+            values = []
+            for enc in bucket.storages[i]:
+                views = {}
+                for name, t in enc.payload.items():
+                    n = t.numel() * t.element_size()
+                    views[name] = self._ring.view(off, n, t.dtype, t.shape)
+                    off += -(-n // 16) * 16
+                values.append(EncodedTensor(enc.codec, views, enc.shape, enc.dtype))
+            staged.append(values)
+        return staged
+
+    def _copy(self, src_values, dst_values, stream, streams) -> int:
+        moved = 0
+        with streams.on(stream):
+            for src, dst in zip(src_values, dst_values):
+                for name, t in src.payload.items():
+                    dst.payload[name].copy_(t, non_blocking=True)
+                    moved += t.numel() * t.element_size()
+        return moved
+
+    def prefetch(self, param) -> None:
+        """Backward hook: start uploading this parameter's offloaded state (within half the ring)."""
+        located = self._where.get(id(param))
+        if located is None or id(param) in self.prefetched or not self.engine.boundary.will_step:
+            return
+        bucket, i = located
+        nbytes = bucket.staged_bytes(i)
+        device = param.device
+        ring, streams = self.ring(device), self.streams(device)
+        if self.prefetched_bytes + nbytes > ring.size // 2:
+            return
+        start = ring.reserve(nbytes, streams.h2d)
+        staged = self._stage(bucket, [i], start)[0]
+        streams.wait(streams.h2d, self.last_writeback)
+        self.engine.transfers.h2d_bytes += self._copy(bucket.storages[i], staged, streams.h2d, streams)
+        self.prefetched[id(param)] = (start, staged, streams.event(streams.h2d))
+        self.prefetched_bytes += nbytes
+
+    def index_offloaded(self, buckets) -> None:
+        """Where each streamed parameter sits in the cached plan (for the prefetch hooks)."""
+        self._where = {id(p): (b, i) for b in buckets if b.plan["offload"] for i, p in enumerate(b.params)}
+
+    def _launch_streamed(self, bucket) -> None:
+        device = bucket.params[0].device
+        ring, streams = self.ring(device), self.streams(device)
+        transfers = self.engine.transfers
+        pre = [i for i, p in enumerate(bucket.params) if id(p) in self.prefetched]
+        rest = [i for i, p in enumerate(bucket.params) if id(p) not in self.prefetched]
+        chunks = ([("prefetched", pre)] if pre else []) + [("streamed", c) for c in bucket.chunks(rest, ring.size // 2)]
+        for kind, idx in chunks:
+            if kind == "prefetched":
+                regions, staged = [], []
+                for i in idx:
+                    start, values, ev_up = self.prefetched.pop(id(bucket.params[i]))
+                    streams.wait(None, ev_up)
+                    regions.append(start)
+                    staged.append(values)
+            else:
+                start = ring.reserve(sum(bucket.staged_bytes(i) for i in idx), streams.h2d)
+                regions, staged = [start], self._stage(bucket, idx, start)
+                if not bucket.first:
+                    streams.wait(streams.h2d, self.last_writeback)
+                    for i, values in zip(idx, staged):
+                        transfers.h2d_bytes += self._copy(bucket.storages[i], values, streams.h2d, streams)
+                streams.wait(None, streams.event(streams.h2d))
+            self._launch_kernels(bucket.sub(idx, staged))
+            streams.wait(streams.d2h, streams.event(None))
+            for i, values in zip(idx, staged):
+                transfers.d2h_bytes += self._copy(values, bucket.storages[i], streams.d2h, streams)
+            done = streams.event(streams.d2h)
+            for start in regions:
+                ring.release(start, done)
+            self.last_writeback = done
+        self.prefetched_bytes = 0
+        ring.head = 0  # the same offsets every step: pointer tables stay cached
+
     def launch(self, bucket: "Bucket") -> None:
+        if bucket.plan["offload"]:
+            self._launch_streamed(bucket)
+        else:
+            self._launch_kernels(bucket)
+
+    def _launch_kernels(self, bucket: "Bucket") -> None:
         from .kernels import launch
         from .kernels.adam import adam_kernel, advance_steps_kernel
         from .kernels.nonfinite import nonfinite_flags_kernel
@@ -264,6 +399,35 @@ class Bucket:
         self.first = plan["first"]
         self.aligned = _aligned(self.params[0])
         self._tables = {}
+
+    def sub(self, idx, storages) -> "Bucket":
+        """The same launch restricted to parameters ``idx``, with other state storages."""
+        sub = object.__new__(Bucket)
+        sub.params = [self.params[i] for i in idx]
+        sub.states = [self.states[i] for i in idx]
+        sub.indices = [self.indices[i] for i in idx]
+        sub.shapes = [self.shapes[i] for i in idx]
+        sub.group_index, sub.plan, sub.first, sub.aligned = self.group_index, self.plan, self.first, self.aligned
+        sub.storages = storages
+        sub._tables = {}
+        return sub
+
+    def staged_bytes(self, i: int) -> int:
+        return sum(-(-t.numel() * t.element_size() // 16) * 16 for enc in self.storages[i] for t in enc.payload.values())
+
+    def chunks(self, idx, capacity: int):
+        """Consecutive groups of parameters whose staged state fits ``capacity`` bytes."""
+        out, cur, used = [], [], 0
+        for i in idx:
+            n = self.staged_bytes(i)
+            if cur and used + n > capacity:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += n
+        if cur:
+            out.append(cur)
+        return out
 
     def tables(self, i: int, device):
         """Pointer tables (data, scales) of the i-th state of every parameter (built once: the

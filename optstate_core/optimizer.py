@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -52,6 +53,15 @@ class VirtualOptimizer(torch.optim.Optimizer):
             True: also on the CPU under ``TRITON_INTERPRET=1``; False: never).
         stochastic_param_rounding: on the fused path, round updated bf16 parameters
             stochastically (counter hash) instead of to nearest.
+        gpu_budget: GPU memory the optimizer state may hold between steps (bytes, a string such
+            as ``"2GB"``, or a fraction of the free GPU memory such as ``0.25``). State is kept
+            resident in step order while it fits beside the staging ring; the rest lives in
+            pinned host memory and streams through the ring every step.
+        offload: keep every state in (pinned) host memory and stream it each step.
+        staging_bytes: size of the device ring that offloaded state streams through (default
+            256 MB, at most half the budget); a chunk is at most half the ring.
+        prefetch_during_backward: start uploading offloaded state from post-accumulate-grad
+            hooks as gradients become ready, on micro-batches that end in a step.
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
             integration that feeds a better signal (window mean, all-reduced) turns this off.
     """
@@ -62,7 +72,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, seed: int = 0,
                  elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
-                 stochastic_param_rounding: bool = False):
+                 stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
+                 staging_bytes="256MB", prefetch_during_backward: bool = False):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -88,6 +99,17 @@ class VirtualOptimizer(torch.optim.Optimizer):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         if not isinstance(stochastic_param_rounding, bool):
             raise ValueError(f"stochastic_param_rounding must be True or False, got {stochastic_param_rounding!r}")
+        if gpu_budget is not None:
+            if isinstance(gpu_budget, float) and not isinstance(gpu_budget, bool):
+                if not 0.0 < gpu_budget < 1.0:
+                    raise ValueError(f"gpu_budget as a fraction must be in (0, 1), got {gpu_budget!r}")
+            else:
+                gpu_budget = parse_bytes(gpu_budget, "gpu_budget")
+        staging_bytes = parse_bytes(staging_bytes, "staging_bytes")
+        if not isinstance(offload, bool):
+            raise ValueError(f"offload must be True or False, got {offload!r}")
+        if not isinstance(prefetch_during_backward, bool):
+            raise ValueError(f"prefetch_during_backward must be True or False, got {prefetch_during_backward!r}")
         if not isinstance(observe_closure_loss, bool):
             raise ValueError(f"observe_closure_loss must be True or False, got {observe_closure_loss!r}")
         if elementwise is not None and not isinstance(elementwise, bool):
@@ -103,7 +125,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
         engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
                         initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
                         skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names,
-                        fused=fused, stochastic_param_rounding=stochastic_param_rounding)
+                        fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
+                        staging_bytes=staging_bytes, prefetch_during_backward=prefetch_during_backward)
+        engine.offload_all = offload
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -115,6 +139,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self.state = engine.state
         optimizer.state = engine.state
         engine.observe_closure_loss = observe_closure_loss
+        self._hooks = []
+        if prefetch_during_backward:
+            self._register_prefetch_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
             with torch.no_grad():
@@ -143,6 +170,20 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if engine is None:  # called by Optimizer.__init__ with the inner's groups: shared, not copied
             return
         engine.inner.add_param_group(param_group)
+        if engine.prefetch_during_backward:
+            self._register_prefetch_hooks(engine.inner.param_groups[-1]["params"])
+
+    def _register_prefetch_hooks(self, params) -> None:
+        fused = weakref.ref(self._engine.fused)
+
+        def hook(param):
+            path = fused()
+            if path is not None:
+                path.prefetch(param)
+
+        for p in params:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def state_dict(self) -> dict:
         """Encoded state (tensors and primitives only), torch's group format, a format version."""
@@ -164,6 +205,24 @@ class VirtualOptimizer(torch.optim.Optimizer):
 
     def eval(self):
         return self.train(False)
+
+    # -- offload --------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move all optimizer state to host memory (e.g. during evaluation or an RL rollout).
+        Idempotent; checkpointing works in either phase."""
+        self._engine.offload()
+
+    def reload(self) -> None:
+        """Bring state back to the GPU as far as the policy and ``gpu_budget`` allow."""
+        self._engine.reload()
+
+    def close(self) -> None:
+        """Release staging memory, pinned host buffers and all state; the optimizer is done.
+        Save ``state_dict()`` first if you need it."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._engine.close()
 
     # -- optstate API ---------------------------------------------------------------------------
     @property
@@ -223,7 +282,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
         return checkpoint.decoded_param_state(self._engine.state.get(param, {}), param.device)
 
     def __getstate__(self):
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state["_hooks"] = []  # hook handles do not survive a copy; prefetch hooks are re-made lazily
+        return state
 
     def __setstate__(self, state):
         super().__setstate__(state)

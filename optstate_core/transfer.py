@@ -1,12 +1,18 @@
-"""Moves of encoded payloads between host and device, with byte accounting.
+"""Moves of encoded payloads between host and device: copy streams, events, a staging ring.
 
-On CPU every move is a plain copy. (The CUDA copy-stream pipeline builds on this module.)
+On CUDA, uploads run on one copy stream and write-backs on another, ordered against the
+compute stream by events only (no host synchronisation); a staged region is handed out again
+only after the copy that last read it has finished. On the CPU the same code runs with plain
+copies and no streams, so the ordering logic is exercised by the CPU test suite too.
 """
 from __future__ import annotations
 
-from typing import Dict
+import contextlib
+from typing import Dict, List, Optional, Tuple
 
 import torch
+
+ALIGN = 16
 
 
 class Transfers:
@@ -39,3 +45,82 @@ class Transfers:
             if d.device != t.device and t.device.type != "cpu":
                 self.d2h_bytes += t.numel() * t.element_size()
             d.copy_(t)
+
+
+class Streams:
+    """The compute stream plus an upload and a write-back stream (all None on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        else:
+            self.h2d = self.d2h = None
+
+    def compute(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def event(self, stream=None):
+        """An event recorded now on ``stream`` (None on the CPU, where everything is in order)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream if stream is not None else self.compute())
+        return ev
+
+    def wait(self, stream, event) -> None:
+        if self.cuda and event is not None:
+            (stream if stream is not None else self.compute()).wait_event(event)
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda and stream is not None else contextlib.nullcontext()
+
+
+class StagingRing:
+    """Device memory through which offloaded payloads stream, reused first-in first-out.
+
+    ``reserve`` returns an offset; before the caller's stream may write there it waits on the
+    release events of every earlier region that overlaps (GPU-side waits only). A region must be
+    released (with the event of the last copy that reads it) before the ring wraps onto it.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device, streams: Streams):
+        self.size = max(ALIGN, nbytes // ALIGN * ALIGN)
+        self.buffer = torch.empty(self.size, dtype=torch.uint8, device=device)
+        self.streams = streams
+        self.head = 0
+        self.live: List[Tuple[int, int, object, bool]] = []  # (start, end, event, released)
+        if streams.cuda:  # the buffer was allocated on the compute stream
+            streams.h2d.wait_stream(streams.compute())
+
+    def reserve(self, nbytes: int, stream) -> int:
+        n = -(-nbytes // ALIGN) * ALIGN
+        if n > self.size:
+            raise ValueError(f"a staged chunk of {nbytes} bytes exceeds the staging ring ({self.size} bytes)")
+        start = self.head if self.head + n <= self.size else 0
+        end = start + n
+        keep = []
+        for region in self.live:
+            s, e, event, released = region
+            if s < end and start < e:
+                if not released:
+                    raise RuntimeError("staging ring overrun: a region is reused before its copy was queued")
+                self.streams.wait(stream, event)
+            else:
+                keep.append(region)
+        self.live = keep
+        self.live.append((start, end, None, False))
+        self.head = end
+        return start
+
+    def release(self, start: int, event) -> None:
+        """Mark the region that starts at ``start`` reusable once ``event`` has completed."""
+        for i, (s, e, _, _) in enumerate(self.live):
+            if s == start:
+                self.live[i] = (s, e, event, True)
+                return
+
+    def view(self, start: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)

@@ -41,7 +41,9 @@ def train_steps(model, opt, steps: int, seed: int = 1, closure: bool = False):
 
 
 def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    """All parameters of a module (or a list of tensors) as one flat float tensor."""
+    params = model.parameters() if isinstance(model, torch.nn.Module) else model
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
 
 
 def two_groups(model, lr=1e-3, wd=0.1):

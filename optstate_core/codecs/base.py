@@ -138,6 +138,9 @@ class EncodedTensor:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def payload_contiguous(self) -> bool:
+        return all(t.is_contiguous() for t in self.payload.values())
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.payload.values())

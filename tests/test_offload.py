@@ -1,0 +1,188 @@
+"""Offload and paging on the CPU: the host tier is ordinary memory and streams are no-ops, but the
+tier logic, the budget, the staging ring and its ordering code all run.
+
+Both the reference path (tiles) and the fused path (Triton kernels under TRITON_INTERPRET) are
+checked: resident, budgeted and fully offloaded runs give bit-identical results.
+"""
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+
+import optstate_core as oc
+from helpers import flat_params
+
+SHAPES = [(64, 256), (32, 256), (512,), (16, 512)]
+
+
+def model_params(seed=0, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+
+
+def set_grads(ps, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+
+
+def run(fused, steps=4, preset="8bit", shapes=SHAPES, **options):
+    ps = model_params(shapes=shapes)
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), oc.make_policy(preset, min_int8_elements=0), fused=fused,
+                  **options)
+    for s in range(steps):
+        set_grads(ps, s)
+        opt.step()
+    return ps, opt
+
+
+MODES = {
+    "resident": {},
+    # room for the first tensor's int8 state (33 280 B) beside a ring of half the budget; the rest streams
+    "budgeted": dict(gpu_budget=67560, staging_bytes="64KB"),
+    "offloaded": dict(offload=True, staging_bytes="40KB"),  # several chunks through a small ring
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize("preset", ["8bit", "4bit"])
+def test_resident_budgeted_offloaded_identical(fused, preset):
+    results = {}
+    for mode, options in MODES.items():
+        ps, opt = run(fused, preset=preset, **options)
+        results[mode] = flat_params(ps)
+        report = opt.memory_report()
+        if mode == "resident":
+            assert report["host_bytes"] == 0
+        elif mode == "offloaded":
+            assert report["device_bytes"] == 0 and report["host_bytes"] > 0
+        else:
+            assert report["device_bytes"] > 0 and report["host_bytes"] > 0
+        if fused:
+            assert opt.last_step_timings["fused_params"] == len(SHAPES)
+            if mode != "resident":
+                moved = opt.last_step_timings
+                assert moved["h2d_bytes"] > 0 and moved["h2d_bytes"] == moved["d2h_bytes"]
+    assert torch.equal(results["resident"], results["budgeted"])
+    assert torch.equal(results["resident"], results["offloaded"])
+
+
+def test_budget_accounting():
+    ps, opt = run(False, **MODES["budgeted"])
+    engine = opt._engine
+    resident = [p for p in ps if id(p) in engine.resident]
+    assert resident == [ps[0]]
+    device_bytes = opt.memory_report()["device_bytes"]
+    assert device_bytes + engine.staging_size(ps[0].device) <= engine.gpu_budget
+    for p in ps[1:]:
+        assert opt.state[p]["exp_avg"].host_tier
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_offload_reload_round_trip_is_exact(fused):
+    ref_ps, ref = run(fused, steps=3)
+    ps, opt = run(fused, steps=3)
+    opt.offload()
+    opt.offload()  # idempotent
+    assert opt.memory_report()["device_bytes"] == 0
+    assert all(v.host_tier for st in opt.state.values() for v in st.values() if isinstance(v, oc.EncodedTensor))
+    for s in (3, 4):  # training while offloaded streams the state
+        set_grads(ps, s)
+        set_grads(ref_ps, s)
+        opt.step()
+        ref.step()
+    opt.reload()
+    opt.reload()
+    assert opt.memory_report()["host_bytes"] == 0
+    for s in (5, 6):
+        set_grads(ps, s)
+        set_grads(ref_ps, s)
+        opt.step()
+        ref.step()
+    assert torch.equal(flat_params(ps), flat_params(ref_ps))
+
+
+@pytest.mark.parametrize("mode", ["resident", "budgeted", "offloaded", "offload()"])
+def test_checkpoint_in_every_mode(mode):
+    options = MODES.get(mode, {})
+    ps, opt = run(True, steps=3, **options)
+    if mode == "offload()":
+        opt.offload()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    set_grads(ps, 3)
+    opt.step()
+    expected = flat_params(ps)
+    ps2 = model_params()
+    with torch.no_grad():
+        for a, b in zip(ps2, run(True, steps=3, **options)[0]):
+            a.copy_(b)
+    opt2 = oc.wrap(torch.optim.AdamW(ps2, lr=1e-2), oc.make_policy("8bit", min_int8_elements=0), fused=True,
+                   **MODES["resident"])
+    opt2.load_state_dict(sd)
+    set_grads(ps2, 3)
+    opt2.step()
+    assert torch.equal(flat_params(ps2), expected)
+
+
+def test_prefetch_during_backward_only_on_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.Tanh(), torch.nn.Linear(32, 256))
+    twin = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.Tanh(), torch.nn.Linear(32, 256))
+    twin.load_state_dict(model.state_dict())
+    policy = lambda: oc.make_policy("8bit", min_int8_elements=0)  # noqa: E731
+    opt = oc.wrap(torch.optim.AdamW(model.parameters()), policy(), fused=True, offload=True,
+                  staging_bytes="1MB", prefetch_during_backward=True)
+    ref = oc.wrap(torch.optim.AdamW(twin.parameters()), policy(), fused=True, offload=True, staging_bytes="1MB")
+    uploads = []
+    path = opt._engine.fused
+    original = path.prefetch
+
+    def counting(param):
+        before = len(path.prefetched)
+        original(param)
+        uploads.append(len(path.prefetched) - before)
+
+    path.prefetch = counting
+    for step in range(4):
+        for micro in range(2):  # accumulation over 2 micro-batches
+            x = torch.randn(8, 256, generator=torch.Generator().manual_seed(10 * step + micro))
+            opt.set_step_boundary(micro == 1)
+            model(x).square().mean().backward()
+            twin(x).square().mean().backward()
+        uploads.append("step")
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert torch.equal(flat_params(model), flat_params(twin))
+    # prefetch needs a cached plan (from the second step on) and only happens on the last micro-batch
+    windows = " ".join(str(u) for u in uploads).split("step")
+    assert all(set(w.split()) <= {"0"} for w in windows[:2])
+    assert any("1" in w.split() for w in windows[2:4])
+    assert not path.prefetched  # all consumed by the steps
+
+
+def test_close_frees_everything():
+    refs = []
+    for _ in range(10):
+        ps, opt = run(True, steps=2, offload=True, staging_bytes="40KB", shapes=[(8, 256), (256,)])
+        refs.append(weakref.ref(opt._engine))
+        opt.close()
+        assert len(opt.state) == 0 and opt._engine.fused._ring is None
+        del opt, ps
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_invalid_offload_options():
+    ps = model_params()
+    for kwargs, match in [(dict(gpu_budget=1.5), "gpu_budget"), (dict(gpu_budget="lots"), "gpu_budget"),
+                          (dict(offload="yes"), "offload"), (dict(staging_bytes=0), "staging_bytes"),
+                          (dict(prefetch_during_backward=1), "prefetch_during_backward")]:
+        with pytest.raises(ValueError, match=match):
+            oc.wrap(torch.optim.AdamW(ps), **kwargs)
