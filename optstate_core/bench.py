@@ -60,7 +60,8 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
         "optstate bf16": Config("bf16", _wrapped("bf16")),
         "optstate int8": Config("int8", _wrapped("8bit")),
         "optstate 4bit": Config("4bit", _wrapped("4bit")),
-        "optstate int8 offloaded": Config("int8_offload", _wrapped("offload"), offloaded=True),
+        "optstate int8 offloaded": Config("int8_offload", _wrapped("8bit", offload=True), offloaded=True),
+        "optstate fp32 offloaded": Config("fp32_offload", _wrapped("fp32", offload=True), offloaded=True),
         "optstate fp32, skip_nonfinite=False": Config("fp32_nocheck", _wrapped("fp32", skip_nonfinite=False)),
         "optstate int8, skip_nonfinite=False": Config("int8_nocheck", _wrapped("8bit", skip_nonfinite=False)),
         "optstate 4bit, skip_nonfinite=False": Config("4bit_nocheck", _wrapped("4bit", skip_nonfinite=False)),
@@ -190,9 +191,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     parser.add_argument("--budget-fraction", type=float, default=1 / 16,
                         help="gpu_budget for budgeted configurations, as a fraction of fp32 AdamW state")
+    from . import e2e
+    e2e.add_arguments(parser)
 
 
 def run(args) -> int:
+    if getattr(args, "e2e", False):
+        from . import e2e
+        args.layers = args.layers_e2e
+        return e2e.run_e2e(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else 0.125)
     shapes = llama_shapes(scale, args.layers)

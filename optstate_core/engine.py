@@ -420,8 +420,8 @@ class Engine:
 
     def _needs_tiles(self, w: Work) -> bool:
         tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v)}
-        if not tensors:
-            return self.policy.may_compress(w.info, self.step_count)
+        if not tensors:  # first step: tiles unless the state will be plain device tensors
+            return self.policy.may_compress(w.info, self.step_count) or self.tier_of(w, "") == "host"
         for key, value in tensors.items():
             if isinstance(value, EncodedTensor):
                 return True

@@ -67,3 +67,64 @@ def test_nonfinite_skip_on_gpu():
     opt.step()
     assert torch.equal(ps[1], before)
     assert opt.memory_report()["nonfinite_skipped"] == 1
+
+
+def _flat(ps):
+    return torch.cat([p.detach().reshape(-1) for p in ps])
+
+
+@pytest.mark.parametrize("options", [dict(offload=True, staging_bytes="4MB"),
+                                     dict(gpu_budget="3MB", staging_bytes="2MB")], ids=["offloaded", "budgeted"])
+def test_streamed_state_matches_resident_and_never_syncs(options):
+    ps, opt = setup("8bit", **options)
+    ref_ps, ref = setup("8bit")
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    assert opt.memory_report()["host_bytes"] > 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in range(3):
+        ref.step()
+    assert opt.last_step_timings["h2d_bytes"] > 0
+    torch.testing.assert_close(_flat(ps), _flat(ref_ps), rtol=0, atol=0)
+
+
+def test_close_releases_device_and_pinned_memory():
+    torch.cuda.synchronize()
+    base_dev = torch.cuda.memory_allocated()
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    base_host = stats()["allocated_bytes.all.current"] if stats else None
+    for _ in range(10):
+        ps, opt = setup("8bit", offload=True, staging_bytes="4MB")
+        for _ in range(2):
+            opt.step()
+        opt.close()
+        del ps, opt
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base_dev
+    if stats:
+        assert stats()["allocated_bytes.all.current"] <= base_host
+
+
+def test_prefetch_during_backward_on_gpu():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)).cuda()
+    twin = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)).cuda()
+    twin.load_state_dict(model.state_dict())
+    opt = oc.wrap(torch.optim.AdamW(model.parameters()), "8bit", offload=True, prefetch_during_backward=True)
+    ref = oc.wrap(torch.optim.AdamW(twin.parameters()), "8bit", offload=True)
+    for step in range(5):
+        x = torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    torch.testing.assert_close(_flat(model.parameters()), _flat(twin.parameters()), rtol=0, atol=0)

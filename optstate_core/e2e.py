@@ -1,0 +1,146 @@
+"""End-to-end training step benchmark: ``optstate bench --e2e``.
+
+A Llama-shaped causal LM built from a config (no downloads), fp32 master parameters, bf16
+autocast, forward + backward + optimizer step on random tokens; every configuration in one
+process against ``torch.optim.AdamW(fused=True)`` on resident fp32 state. Offloaded
+configurations print their floor: forward+backward time alone plus the encoded state that
+cannot stay on the GPU, moved both ways over the measured pinned bandwidth.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+
+import torch
+
+log = logging.getLogger("optstate")
+
+
+def build_model(hidden: int, layers: int, vocab: int, ffn: int, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
+                         vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.float().train()
+
+
+def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
+    from .presets import make_policy, wrap
+
+    fp32_state = 8 * n_params
+    budget = int(fp32_state * budget_fraction)
+
+    def ours(preset, **options):
+        return lambda ps: wrap(torch.optim.AdamW(ps, fused=True), make_policy(preset), **options)
+
+    out = {
+        "forward+backward only": None,
+        "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
+        "optstate int8 resident": ours("8bit"),
+        "optstate 4bit resident": ours("4bit"),
+        "optstate int8 offloaded": ours("8bit", offload=True),
+        "optstate int8 offloaded + prefetch": ours("8bit", offload=True, prefetch_during_backward=True),
+        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB": ours("4bit", gpu_budget=budget),
+        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB + prefetch":
+            ours("4bit", gpu_budget=budget, prefetch_during_backward=True),
+    }
+    if compare:
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+            out["torchao CPUOffloadOptimizer(AdamW fused)"] = \
+                lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, fused=True)
+        except Exception as e:
+            log.info("torchao not available: %s", e)
+    return out, budget
+
+
+def run_e2e(args) -> int:
+    from .bench import pinned_bandwidth
+
+    device = torch.device(args.device or "cuda")
+    if device.type != "cuda":
+        raise SystemExit("--e2e needs a CUDA device")
+    torch.manual_seed(0)
+    model = build_model(args.hidden, args.layers, args.vocab, args.ffn, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    configs, budget = e2e_configs(n, args.compare, args.budget_fraction)
+    bandwidth = pinned_bandwidth(device)
+    rows = []
+    for label, build in configs.items():
+        log.info("e2e: %s", label)
+        model.load_state_dict(initial)
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        try:
+            opt = build(params) if build is not None else None
+            times, held = [], 0
+            for i in range(args.warmup + args.steps):
+                torch.cuda.synchronize()
+                if i == args.warmup:
+                    torch.cuda.reset_peak_memory_stats(device)
+                t = time.perf_counter()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+                model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                if i >= args.warmup:
+                    times.append((time.perf_counter() - t) * 1e3)
+            base = sum(p.numel() * p.element_size() for p in params)
+            held = torch.cuda.memory_allocated(device) - base  # grads are freed: optimizer + leftovers
+            report = opt.memory_report() if hasattr(opt, "memory_report") else None
+            rows.append((label, statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**30,
+                         held, report, float(loss)))
+        except Exception as e:
+            log.warning("e2e: %s failed: %s", label, e)
+            rows.append((label, None, None, None, None, None))
+        finally:
+            if opt is not None and hasattr(opt, "close"):
+                opt.close()
+            opt = None
+    fwd_bwd = rows[0][1]
+    ref = next((r[1] for r in rows if r[0] == "torch AdamW fused"), None)
+    print(f"\ntraining step end to end: Llama-shaped {n / 1e9:.3f}B params (hidden {args.hidden}, {args.layers} "
+          f"layers, vocab {args.vocab}), batch {args.batch}x{args.seq}, fp32 master weights, bf16 autocast, "
+          f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print("| configuration | step ms | x fused | peak GPU GiB | optimizer GPU MiB between steps | floor ms | x floor |")
+    print("|---|---|---|---|---|---|---|")
+    for label, ms, peak, held, report, loss in rows:
+        if ms is None:
+            print(f"| {label} | failed | | | | | |")
+            continue
+        floor = ""
+        ratio_floor = ""
+        if report is not None and report["host_bytes"]:
+            floor_ms = fwd_bwd + 2 * report["host_bytes"] / bandwidth * 1e3
+            floor, ratio_floor = f"{floor_ms:.1f}", f"{ms / floor_ms:.2f}"
+        opt_mib = "" if report is None else f"{report['device_bytes'] / 2**20:.0f}"
+        print(f"| {label} | {ms:.1f} | {ms / ref:.2f} | {peak:.1f} | {opt_mib} | {floor} | {ratio_floor} |"
+              if ref else f"| {label} | {ms:.1f} | | {peak:.1f} | {opt_mib} | {floor} | {ratio_floor} |")
+    print(f"pinned host<->device bandwidth {bandwidth / 1e9:.1f} GB/s; gpu_budget {budget / 2**30:.2f} GiB "
+          f"(= {args.budget_fraction:.4f} of fp32 AdamW state); floor = forward+backward alone "
+          f"({fwd_bwd:.1f} ms) + host-resident encoded state up and down over that bandwidth")
+    return 0
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("--e2e (end-to-end training step)")
+    g.add_argument("--e2e", action="store_true", help="time forward+backward+step of a Llama-shaped model")
+    g.add_argument("--hidden", type=int, default=2048)
+    g.add_argument("--e2e-layers", dest="layers_e2e", type=int, default=16)
+    g.add_argument("--vocab", type=int, default=32000)
+    g.add_argument("--ffn", type=int, default=5632)
+    g.add_argument("--batch", type=int, default=8)
+    g.add_argument("--seq", type=int, default=512)
