@@ -285,8 +285,7 @@ class Engine:
                 self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if buckets:
             t = time.perf_counter()
-            for bucket in buckets:
-                self.fused.launch(bucket)
+            self.fused.launch_all(buckets)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         self.step_count += 1
         self.metrics.h2d_bytes = self.transfers.h2d_bytes

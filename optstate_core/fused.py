@@ -208,20 +208,27 @@ class FusedPath:
         self._streams = None
         self.prefetched.clear()
 
-    def _stage(self, bucket, idx, start):
-        """Device views (in the ring, from ``start``) for the states of bucket parameters ``idx``."""
+    def _stage(self, bucket, pieces, start):
+        """Device views (in the ring, from ``start``) for the state rows of ``pieces``."""
         staged, off = [], start
-        for i in idx:
+        for i, r0, r1 in pieces:
             values = []
             for enc in bucket.storages[i]:
                 views = {}
                 for name, t in enc.payload.items():
-                    n = t.numel() * t.element_size()
-                    views[name] = self._ring.view(off, n, t.dtype, t.shape)
+                    rows = t[r0:r1]
+                    n = rows.numel() * rows.element_size()
+                    views[name] = self._ring.view(off, n, t.dtype, rows.shape)
                     off += -(-n // 16) * 16
-                values.append(EncodedTensor(enc.codec, views, enc.shape, enc.dtype))
+                values.append(EncodedTensor(enc.codec, views, (r1 - r0, bucket.cols[i]), enc.dtype))
             staged.append(values)
         return staged
+
+    @staticmethod
+    def _host_rows(bucket, piece):
+        i, r0, r1 = piece
+        return [EncodedTensor(enc.codec, {k: t[r0:r1] for k, t in enc.payload.items()}, (r1 - r0, bucket.cols[i]),
+                              enc.dtype, host_tier=True) for enc in bucket.storages[i]]
 
     def _copy(self, src_values, dst_values, stream, streams) -> int:
         moved = 0
@@ -238,15 +245,16 @@ class FusedPath:
         if located is None or id(param) in self.prefetched or not self.engine.boundary.will_step:
             return
         bucket, i = located
-        nbytes = bucket.staged_bytes(i)
+        piece = (i, 0, bucket.rows[i])
+        nbytes = bucket.piece_bytes(piece)
         device = param.device
         ring, streams = self.ring(device), self.streams(device)
         if self.prefetched_bytes + nbytes > ring.size // 2:
             return
         start = ring.reserve(nbytes, streams.h2d)
-        staged = self._stage(bucket, [i], start)[0]
+        staged = self._stage(bucket, [piece], start)[0]
         streams.wait(streams.h2d, self.last_writeback)
-        self.engine.transfers.h2d_bytes += self._copy(bucket.storages[i], staged, streams.h2d, streams)
+        self.engine.transfers.h2d_bytes += self._copy(self._host_rows(bucket, piece), staged, streams.h2d, streams)
         self.prefetched[id(param)] = (start, staged, streams.event(streams.h2d))
         self.prefetched_bytes += nbytes
 
@@ -254,50 +262,96 @@ class FusedPath:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks)."""
         self._where = {id(p): (b, i) for b in buckets if b.plan["offload"] for i, p in enumerate(b.params)}
 
-    def _launch_streamed(self, bucket) -> None:
-        device = bucket.params[0].device
-        ring, streams = self.ring(device), self.streams(device)
-        transfers = self.engine.transfers
-        pre = [i for i, p in enumerate(bucket.params) if id(p) in self.prefetched]
-        rest = [i for i, p in enumerate(bucket.params) if id(p) not in self.prefetched]
-        chunks = ([("prefetched", pre)] if pre else []) + [("streamed", c) for c in bucket.chunks(rest, ring.size // 2)]
-        for kind, idx in chunks:
-            if kind == "prefetched":
-                regions, staged = [], []
-                for i in idx:
-                    start, values, ev_up = self.prefetched.pop(id(bucket.params[i]))
-                    streams.wait(None, ev_up)
-                    regions.append(start)
-                    staged.append(values)
-            else:
-                start = ring.reserve(sum(bucket.staged_bytes(i) for i in idx), streams.h2d)
-                regions, staged = [start], self._stage(bucket, idx, start)
-                if not bucket.first:
-                    streams.wait(streams.h2d, self.last_writeback)
-                    for i, values in zip(idx, staged):
-                        transfers.h2d_bytes += self._copy(bucket.storages[i], values, streams.h2d, streams)
-                streams.wait(None, streams.event(streams.h2d))
-            self._launch_kernels(bucket.sub(idx, staged))
-            streams.wait(streams.d2h, streams.event(None))
-            for i, values in zip(idx, staged):
-                transfers.d2h_bytes += self._copy(values, bucket.storages[i], streams.d2h, streams)
-            done = streams.event(streams.d2h)
-            for start in regions:
-                ring.release(start, done)
-            self.last_writeback = done
+    def launch_all(self, buckets) -> None:
+        """Launch a step's buckets: resident ones directly; streamed ones through the ring, with
+        everything prefetched during backward consumed (and its ring space released) first."""
+        streamed = [b for b in buckets if b.plan["offload"]]
+        for b in buckets:
+            if not b.plan["offload"]:
+                self._launch_kernels(b)
+        if not streamed:
+            return
+        ring = self.ring(streamed[0].params[0].device)
+        work = []
+        for b in streamed:
+            flags = self._nonfinite_flags(b)
+            pre = [(i, 0, b.rows[i]) for i, p in enumerate(b.params) if id(p) in self.prefetched]
+            work.append((b, flags, pre))
+        for b, flags, pre in work:
+            if pre:
+                self._stream_chunk(b, flags, pre, prefetched=True)
+        for b, flags, pre in work:
+            done = {i for i, _, _ in pre}
+            rest = [i for i in range(len(b.params)) if i not in done]
+            for chunk in b.chunks(rest, ring.size // 2):
+                self._stream_chunk(b, flags, chunk, prefetched=False)
+            self._advance_steps(b, flags)
+            b.first = False
+            self.engine.metrics.fused_params += len(b.params)
         self.prefetched_bytes = 0
         ring.head = 0  # the same offsets every step: pointer tables stay cached
 
-    def launch(self, bucket: "Bucket") -> None:
-        if bucket.plan["offload"]:
-            self._launch_streamed(bucket)
+    def _stream_chunk(self, bucket, flags, pieces, prefetched: bool) -> None:
+        device = bucket.params[0].device
+        ring, streams, transfers = self.ring(device), self.streams(device), self.engine.transfers
+        if prefetched:
+            regions, staged = [], []
+            for i, _, _ in pieces:
+                start, values, ev_up = self.prefetched.pop(id(bucket.params[i]))
+                streams.wait(None, ev_up)
+                regions.append(start)
+                staged.append(values)
         else:
-            self._launch_kernels(bucket)
+            start = ring.reserve(sum(bucket.piece_bytes(pc) for pc in pieces), streams.h2d)
+            regions, staged = [start], self._stage(bucket, pieces, start)
+            if not bucket.first:
+                streams.wait(streams.h2d, self.last_writeback)
+                for pc, values in zip(pieces, staged):
+                    transfers.h2d_bytes += self._copy(self._host_rows(bucket, pc), values, streams.h2d, streams)
+            streams.wait(None, streams.event(streams.h2d))
+        self._launch_kernels(bucket.sub(pieces, staged), flags=flags, advance=False)
+        streams.wait(streams.d2h, streams.event(None))
+        for pc, values in zip(pieces, staged):
+            transfers.d2h_bytes += self._copy(values, self._host_rows(bucket, pc), streams.d2h, streams)
+        done = streams.event(streams.d2h)
+        for start in regions:
+            ring.release(start, done)
+        self.last_writeback = done
 
-    def _launch_kernels(self, bucket: "Bucket") -> None:
+    def _nonfinite_flags(self, bucket):
+        """Per-parameter NaN/inf flags of a whole bucket (device tensor), or None if unchecked."""
         from .kernels import launch
-        from .kernels.adam import adam_kernel, advance_steps_kernel
         from .kernels.nonfinite import nonfinite_flags_kernel
+
+        if not self.engine.skip_nonfinite:
+            return None
+        device, n = bucket.params[0].device, len(bucket.params)
+        cols, nbr, nblocks, prog_t, prog_b, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
+        flags = torch.zeros(n, dtype=torch.int32, device=device)
+        G = launch.pointer_table(bucket.grad_list(), device)
+        nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_t, prog_b,
+                                          P_KIND=P_KINDS[bucket.params[0].dtype], NBLK=NBLK, ALIGNED=bucket.aligned,
+                                          num_warps=NUM_WARPS)
+        total = flags.sum()
+        self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
+        return flags
+
+    def _advance_steps(self, bucket, flags) -> None:
+        from .kernels.adam import advance_steps_kernel
+
+        if bucket.plan["kind"] == "adam":
+            dummy = flags if flags is not None else torch.zeros(1, dtype=torch.int32, device=bucket.params[0].device)
+            advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device), dummy,
+                                                        CHECK_FINITE=flags is not None)
+
+    def launch(self, bucket: "Bucket") -> None:
+        self.launch_all([bucket])
+
+    def _launch_kernels(self, bucket: "Bucket", flags=None, advance: bool = True) -> None:
+        """One launch of the update kernel over a bucket. ``flags``: per-parameter NaN/inf
+        flags computed beforehand (streamed chunks); otherwise computed here."""
+        from .kernels import launch
+        from .kernels.adam import adam_kernel
         from .kernels.sgd import sgd_kernel
 
         engine, plan, params = self.engine, bucket.plan, bucket.params
@@ -305,7 +359,7 @@ class FusedPath:
         group = engine.inner.param_groups[bucket.group_index]
         cols, nbr, nblocks, prog_t, prog_b, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
         P = launch.pointer_table(params, device)
-        G = launch.pointer_table([p.grad for p in params], device)
+        G = launch.pointer_table(bucket.grad_list(), device)
         sr = any(c.stochastic_rounding for c in plan["codecs"]) or self.stochastic_param_rounding
         if sr:  # per-step stream keys of the counter hash: m, v, vmax, param
             names = (list(plan["keys"]) + [plan["keys"][-1]] * 3)[:3] + ["param"]
@@ -313,12 +367,15 @@ class FusedPath:
                                         for i in bucket.indices for name in names], device)
         else:
             KEYS = launch.cached_table([0] * (4 * n), device)
+        BASE = launch.cached_table(bucket.bases, device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
-        flags = torch.zeros(n if check else 1, dtype=torch.int32, device=device)
+        if check and flags is None:
+            flags = self._nonfinite_flags(bucket)
+        elif check:
+            flags = flags[bucket.param_index(device)]  # per piece: its parameter's flag
+        if flags is None:
+            flags = torch.zeros(1, dtype=torch.int32, device=device)
         p_kind = P_KINDS[params[0].dtype]
-        if check:
-            nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_t, prog_b, P_KIND=p_kind, NBLK=NBLK,
-                                              ALIGNED=aligned, num_warps=NUM_WARPS)
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
         lr_ptr = lr if lr_tensor else flags
@@ -336,7 +393,7 @@ class FusedPath:
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, cols, nbr, nblocks, prog_t, prog_b,
+                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, BASE, cols, nbr, nblocks, prog_t, prog_b,
                 lr_ptr, lr_val, beta1, beta2, math.log(beta1) if beta1 > 0 else -1e30,
                 math.log(beta2) if beta2 > 0 else -1e30, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
@@ -347,20 +404,18 @@ class FusedPath:
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, **common)
-            advance_steps_kernel[(n,)](STEPS, flags, CHECK_FINITE=check)
+            if advance:
+                self._advance_steps(bucket, flags if check else None)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, flags, KEYS, cols, nbr, nblocks, prog_t, prog_b,
+                P, G, M, MS, flags, KEYS, BASE, cols, nbr, nblocks, prog_t, prog_b,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), NESTEROV=bool(group["nesterov"]),
                 **common)
-        if check:
-            total = flags.sum()
-            self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
-        bucket.first = False
-        engine.metrics.fused_params += n
-        engine.metrics.kernel_launches += (2 if check else 1) + (plan["kind"] == "adam")
+        bucket.first = False if advance else bucket.first
+        engine.metrics.fused_params += n if advance else 0
+        engine.metrics.kernel_launches += 1
 
     @staticmethod
     def _inv_power(codec) -> float:
@@ -394,37 +449,69 @@ class Bucket:
         self.indices = [w.info.index for w in works]
         self.group_index = works[0].info.group_index
         self.shapes = [tuple(p.shape) for p in self.params]
+        self.rows = [w.rows for w in works]
+        self.cols = [w.cols for w in works]
+        self.bases = [0] * len(works)  # first element of each item within its parameter (pieces)
+        self.grads = None  # None: the parameters' own .grad
         self.storages = storages
         self.plan = plan
         self.first = plan["first"]
         self.aligned = _aligned(self.params[0])
         self._tables = {}
+        self._param_index = None
 
-    def sub(self, idx, storages) -> "Bucket":
-        """The same launch restricted to parameters ``idx``, with other state storages."""
+    def grad_list(self):
+        return self.grads if self.grads is not None else [p.grad for p in self.params]
+
+    def param_index(self, device):
+        """For a piece bucket: each piece's parameter index in the parent bucket (device table)."""
+        from .kernels import launch
+        return launch.cached_table(self._param_index, device)
+
+    def sub(self, pieces, storages) -> "Bucket":
+        """The same launch over row pieces ``(i, r0, r1)`` of its parameters, with other state
+        storages (the staged copies): views of the parameter and gradient rows."""
         sub = object.__new__(Bucket)
-        sub.params = [self.params[i] for i in idx]
-        sub.states = [self.states[i] for i in idx]
-        sub.indices = [self.indices[i] for i in idx]
-        sub.shapes = [self.shapes[i] for i in idx]
+        sub.params = [self.params[i].detach().view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
+        sub.grads = [self.params[i].grad.view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
+        sub.states = [self.states[i] for i, _, _ in pieces]
+        sub.indices = [self.indices[i] for i, _, _ in pieces]
+        sub.shapes = [(r1 - r0, self.cols[i]) for i, r0, r1 in pieces]
+        sub.rows = [r1 - r0 for _, r0, r1 in pieces]
+        sub.cols = [self.cols[i] for i, _, _ in pieces]
+        sub.bases = [r0 * self.cols[i] for i, r0, _ in pieces]
         sub.group_index, sub.plan, sub.first, sub.aligned = self.group_index, self.plan, self.first, self.aligned
         sub.storages = storages
         sub._tables = {}
+        sub._param_index = [i for i, _, _ in pieces]
         return sub
 
-    def staged_bytes(self, i: int) -> int:
-        return sum(-(-t.numel() * t.element_size() // 16) * 16 for enc in self.storages[i] for t in enc.payload.values())
+    def piece_bytes(self, piece) -> int:
+        i, r0, r1 = piece
+        return sum(-(-t[r0:r1].numel() * t.element_size() // 16) * 16
+                   for enc in self.storages[i] for t in enc.payload.values())
 
     def chunks(self, idx, capacity: int):
-        """Consecutive groups of parameters whose staged state fits ``capacity`` bytes."""
+        """Consecutive row pieces of parameters ``idx`` grouped so that each group's staged
+        state fits ``capacity`` bytes; a parameter too large for one group is split by rows."""
         out, cur, used = [], [], 0
         for i in idx:
-            n = self.staged_bytes(i)
-            if cur and used + n > capacity:
-                out.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += n
+            total = self.piece_bytes((i, 0, self.rows[i]))
+            per_row = max(1, -(-total // max(self.rows[i], 1)))
+            r = 0
+            while r < self.rows[i]:
+                room = capacity - used
+                take = min(self.rows[i] - r, max(room // per_row, 0))
+                if take <= 0:
+                    if cur:
+                        out.append(cur)
+                        cur, used = [], 0
+                        continue
+                    take = min(self.rows[i] - r, max(1, capacity // per_row))
+                piece = (i, r, r + take)
+                cur.append(piece)
+                used += self.piece_bytes(piece)
+                r += take
         if cur:
             out.append(cur)
         return out

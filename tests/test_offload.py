@@ -28,10 +28,15 @@ def set_grads(ps, step):
         p.grad = torch.randn(p.shape, generator=g) * 0.01
 
 
+def policy(preset):
+    if preset == "8bit-sr":  # stochastic rounding: counters must follow elements across row pieces
+        return oc.make_policy("8bit", min_int8_elements=0, momentum_codec=oc.Int8Codec(stochastic_rounding=True))
+    return oc.make_policy(preset, min_int8_elements=0)
+
+
 def run(fused, steps=4, preset="8bit", shapes=SHAPES, **options):
     ps = model_params(shapes=shapes)
-    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), oc.make_policy(preset, min_int8_elements=0), fused=fused,
-                  **options)
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), policy(preset), fused=fused, **options)
     for s in range(steps):
         set_grads(ps, s)
         opt.step()
@@ -42,12 +47,13 @@ MODES = {
     "resident": {},
     # room for the first tensor's int8 state (33 280 B) beside a ring of half the budget; the rest streams
     "budgeted": dict(gpu_budget=67560, staging_bytes="64KB"),
-    "offloaded": dict(offload=True, staging_bytes="40KB"),  # several chunks through a small ring
+    # several chunks through a small ring; the first tensor is split into row pieces
+    "offloaded": dict(offload=True, staging_bytes="40KB"),
 }
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
-@pytest.mark.parametrize("preset", ["8bit", "4bit"])
+@pytest.mark.parametrize("preset", ["8bit", "4bit", "8bit-sr"])
 def test_resident_budgeted_offloaded_identical(fused, preset):
     results = {}
     for mode, options in MODES.items():

@@ -30,11 +30,11 @@ def param_pointer(addr, P_KIND: tl.constexpr):
 
 
 @triton.jit
-def store_param(p, p_ptr, elem, mask, key_ptr, P_KIND: tl.constexpr, P_SR: tl.constexpr):
+def store_param(p, p_ptr, elem, sr_idx, mask, key_ptr, P_KIND: tl.constexpr, P_SR: tl.constexpr):
     """Store updated fp32 values into the parameter's dtype (bf16: nearest-even or stochastic)."""
     if P_KIND == P_BF16:
         if P_SR:
-            rb = random_bits(tl.load(key_ptr).to(tl.uint32), elem)
+            rb = random_bits(tl.load(key_ptr).to(tl.uint32), sr_idx)
         else:
             rb = 0
         p = round_to_bf16(p, rb, P_SR)
@@ -111,7 +111,7 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
                 COLS, NBR, NBLOCKS, PROG_T, PROG_B,
                 lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
@@ -178,17 +178,22 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS,
     else:  # correctly rounded, as torch
         p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
 
+    if M_SR or V_SR or P_SR:
+        sr_idx = elem.to(tl.int64) + tl.load(BASE + t)
+    else:
+        sr_idx = elem
     m_key = tl.load(KEYS + 4 * t).to(tl.uint32)
     v_key = tl.load(KEYS + 4 * t + 1).to(tl.uint32)
-    store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, m_levels, m_mids,
+    store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, sr_idx, m_levels, m_mids,
                 M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
-    store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, v_levels, v_mids,
+    store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, sr_idx, v_levels, v_mids,
                 V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
     if AMSGRAD:
         vm_key = tl.load(KEYS + 4 * t + 2).to(tl.uint32)
-        store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, vm_key, v_levels, v_mids,
+        store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, vm_key, sr_idx, v_levels,
+                    v_mids,
                     V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
-    store_param(p, p_ptr, elem, mask, KEYS + 4 * t + 3, P_KIND, P_SR)
+    store_param(p, p_ptr, elem, sr_idx, mask, KEYS + 4 * t + 3, P_KIND, P_SR)
 
 
 @triton.jit

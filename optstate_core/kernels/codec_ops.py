@@ -193,15 +193,16 @@ def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr
 
 
 @triton.jit
-def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, levels_ptr, mids_ptr,
+def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, sr_idx, levels_ptr, mids_ptr,
                 KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
                 NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5):
-    """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales."""
+    """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales.
+    ``sr_idx``: the elements' indices in the whole tensor (the stochastic rounding counters)."""
     if KIND == FP32:
         tl.store(aligned(data_addr, tl.float32) + elem, x, mask=mask)
     elif KIND == BF16:
         if SR:
-            rb = random_bits(key, elem)
+            rb = random_bits(key, sr_idx)
         else:
             rb = 0
         x = round_to_bf16(x, rb, SR)
@@ -211,7 +212,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         e = pow2_exponent(absmax)
         y = x * exp2_int(-e)[:, None]
         if SR:
-            rb = random_bits(key, elem)
+            rb = random_bits(key, sr_idx)
         else:
             rb = 0
         codes = encode_int8(y, rb, SIGNED, SR)
@@ -222,7 +223,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         safe = tl.where(absmax > 0, absmax, 1.0)
         y = x * per_half(tl.math.div_rn(1.0, safe), NBLK)  # as the torch codec: the rounded reciprocal
         if SR:
-            rb = random_bits(key, elem)
+            rb = random_bits(key, sr_idx)
         else:
             rb = 0
         codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW)

@@ -10,7 +10,7 @@ from .codec_ops import load_state, store_state
 
 
 @triton.jit
-def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
+def sgd_kernel(P, G, M, MS, FLAGS, KEYS, BASE, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                M_INV_POW: tl.constexpr,
@@ -44,6 +44,10 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
     else:
         g = buf
     p = p - lr * g
+    if M_SR:
+        sr_idx = elem.to(tl.int64) + tl.load(BASE + t)
+    else:
+        sr_idx = elem
     store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, tl.load(KEYS + 4 * t).to(tl.uint32),
-                m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
-    store_param(p, p_ptr, elem, mask, KEYS + 4 * t + 3, P_KIND, False)
+                sr_idx, m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
+    store_param(p, p_ptr, elem, elem, mask, KEYS + 4 * t + 3, P_KIND, False)

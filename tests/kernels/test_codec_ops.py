@@ -27,7 +27,7 @@ def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_T, PROG_B, levels, mid
                                                               NBLOCKS, NBLK)
     x = tl.load(tl.load(X + t).to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
     store_state(x, tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask,
-                tl.load(KEYS + t).to(tl.uint32), levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW)
+                tl.load(KEYS + t).to(tl.uint32), elem, levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW)
 
 
 @triton.jit
