@@ -22,21 +22,25 @@ from .rounding import RoundingContext
 
 
 def int4_levels(signed: bool, power: float) -> torch.Tensor:
-    """The sorted float32 levels (15 signed, 16 unsigned), normalized to max 1."""
+    """The sorted float32 levels (15 signed, 16 unsigned), normalized to max 1 (for an integer
+    power: ``float32(j ** p) * float32(1 / n ** p)``, reproducible in any float32 arithmetic)."""
+    n = 7 if signed else 15
+    j = torch.arange(0 if not signed else 1, n + 1)
+    if float(power).is_integer() and n ** power < 2 ** 24:
+        mags = (j ** int(power)).float() * torch.tensor(1.0 / n ** power, dtype=torch.float32)
+    else:
+        mags = ((j.double() / n) ** power).float()
     if signed:
-        mags = (torch.arange(1, 8, dtype=torch.float64) / 7) ** power
-        return torch.cat([-mags.flip(0), torch.zeros(1, dtype=torch.float64), mags]).float()
-    j = torch.arange(0, 16, dtype=torch.float64)
-    return ((j / 15) ** power).float()
+        return torch.cat([-mags.flip(0), torch.zeros(1), mags])
+    return mags
 
 
 def int4_midpoints(levels: torch.Tensor, signed: bool) -> torch.Tensor:
-    lv = levels.double()
+    """Decision boundaries in float32 arithmetic: arithmetic means (signed), geometric means
+    (non-negative; the first boundary is 0 so a positive value never rounds to zero)."""
     if signed:
-        return ((lv[1:] + lv[:-1]) / 2).float()
-    mids = torch.sqrt(lv[1:] * lv[:-1])
-    mids[0] = 0.0  # any positive value maps to at least the first nonzero level
-    return mids.float()
+        return (levels[1:] + levels[:-1]) * 0.5
+    return torch.sqrt(levels[1:] * levels[:-1])
 
 
 def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ def decode_kernel(OUT, D, S, COLS, NBR, NBLOCKS, PROG_T, PROG_B, lut,
 
 
 SHAPES = [(3, 700), (257,), (1, 1), (5, 256), (2, 3, 129)]
-CODECS = [oc.Int8Codec(), oc.Int8Codec(stochastic_rounding=True), oc.Int4Codec(), oc.Int4Codec(power=3.0),
+CODECS = [oc.Int8Codec(), oc.Int8Codec(stochastic_rounding=True), oc.Int4Codec(), oc.Int4Codec(power=3.0), oc.Int4Codec(power=2.5),
           oc.Int4Codec(stochastic_rounding=True), oc.BF16Codec(), oc.BF16Codec(stochastic_rounding=True)]
 
 
