@@ -102,7 +102,7 @@ def run_e2e(args) -> int:
             held = torch.cuda.memory_allocated(device) - base  # grads are freed: optimizer + leftovers
             report = opt.memory_report() if hasattr(opt, "memory_report") else None
             rows.append((label, statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**30,
-                         held, report, float(loss)))
+                         held, report, loss.item()))
         except Exception as e:
             log.warning("e2e: %s failed: %s", label, e)
             rows.append((label, None, None, None, None, None))

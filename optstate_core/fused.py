@@ -209,34 +209,34 @@ class FusedPath:
         self.prefetched.clear()
 
     def _stage(self, bucket, pieces, start):
-        """Device views (in the ring, from ``start``) for the state rows of ``pieces``."""
-        staged, off = [], start
-        for i, r0, r1 in pieces:
-            values = []
-            for enc in bucket.storages[i]:
-                views = {}
-                for name, t in enc.payload.items():
-                    rows = t[r0:r1]
+        """Device views (in the ring, from ``start``) for the state rows of ``pieces``, laid out
+        per (state, payload) in piece order with 16-byte padding, like the host arena, so that
+        adjacent host rows map to adjacent ring bytes and copy as one range."""
+        staged = [[dict() for _ in bucket.storages[i]] for i, _, _ in pieces]
+        off = start
+        for k, enc0 in enumerate(bucket.storages[pieces[0][0]]):
+            for name in enc0.payload:
+                for (i, r0, r1), views in zip(pieces, staged):
+                    rows = bucket.storages[i][k].payload[name][r0:r1]
                     n = rows.numel() * rows.element_size()
-                    views[name] = self._ring.view(off, n, t.dtype, rows.shape)
+                    views[k][name] = self._ring.view(off, n, rows.dtype, rows.shape)
                     off += -(-n // 16) * 16
-                values.append(EncodedTensor(enc.codec, views, (r1 - r0, bucket.cols[i]), enc.dtype))
-            staged.append(values)
-        return staged
+        return [[EncodedTensor(enc.codec, views[k], (r1 - r0, bucket.cols[i]), enc.dtype)
+                 for k, enc in enumerate(bucket.storages[i])] for (i, r0, r1), views in zip(pieces, staged)]
 
-    @staticmethod
-    def _host_rows(bucket, piece):
-        i, r0, r1 = piece
-        return [EncodedTensor(enc.codec, {k: t[r0:r1] for k, t in enc.payload.items()}, (r1 - r0, bucket.cols[i]),
-                              enc.dtype, host_tier=True) for enc in bucket.storages[i]]
-
-    def _copy(self, src_values, dst_values, stream, streams) -> int:
+    def _transfer(self, bucket, pieces, staged, upload: bool, streams) -> int:
+        """Copy the state rows of ``pieces`` between host memory and their staged views, one copy
+        per run of adjacent rows (the host arena and the ring share one layout)."""
+        pairs = []  # (host tensor, ring tensor) per piece, state and payload, in ring order
+        for k, enc0 in enumerate(bucket.storages[pieces[0][0]]):
+            for name in enc0.payload:
+                for (i, r0, r1), values in zip(pieces, staged):
+                    pairs.append((bucket.storages[i][k].payload[name][r0:r1], values[k].payload[name]))
         moved = 0
-        with streams.on(stream):
-            for src, dst in zip(src_values, dst_values):
-                for name, t in src.payload.items():
-                    dst.payload[name].copy_(t, non_blocking=True)
-                    moved += t.numel() * t.element_size()
+        with streams.on(streams.h2d if upload else streams.d2h):
+            for host, ring in _coalesce(pairs):
+                (ring.copy_(host, non_blocking=True) if upload else host.copy_(ring, non_blocking=True))
+                moved += host.numel()
         return moved
 
     def prefetch(self, param) -> None:
@@ -252,10 +252,10 @@ class FusedPath:
         if self.prefetched_bytes + nbytes > ring.size // 2:
             return
         start = ring.reserve(nbytes, streams.h2d)
-        staged = self._stage(bucket, [piece], start)[0]
+        staged = self._stage(bucket, [piece], start)
         streams.wait(streams.h2d, self.last_writeback)
-        self.engine.transfers.h2d_bytes += self._copy(self._host_rows(bucket, piece), staged, streams.h2d, streams)
-        self.prefetched[id(param)] = (start, staged, streams.event(streams.h2d))
+        self.engine.transfers.h2d_bytes += self._transfer(bucket, [piece], staged, True, streams)
+        self.prefetched[id(param)] = (start, staged[0], streams.event(streams.h2d))
         self.prefetched_bytes += nbytes
 
     def index_offloaded(self, buckets) -> None:
@@ -306,13 +306,11 @@ class FusedPath:
             regions, staged = [start], self._stage(bucket, pieces, start)
             if not bucket.first:
                 streams.wait(streams.h2d, self.last_writeback)
-                for pc, values in zip(pieces, staged):
-                    transfers.h2d_bytes += self._copy(self._host_rows(bucket, pc), values, streams.h2d, streams)
+                transfers.h2d_bytes += self._transfer(bucket, pieces, staged, True, streams)
             streams.wait(None, streams.event(streams.h2d))
         self._launch_kernels(bucket.sub(pieces, staged), flags=flags, advance=False)
         streams.wait(streams.d2h, streams.event(None))
-        for pc, values in zip(pieces, staged):
-            transfers.d2h_bytes += self._copy(values, self._host_rows(bucket, pc), streams.d2h, streams)
+        transfers.d2h_bytes += self._transfer(bucket, pieces, staged, False, streams)
         done = streams.event(streams.d2h)
         for start in regions:
             ring.release(start, done)
@@ -438,6 +436,40 @@ def _aligned(p: torch.Tensor) -> bool:
     """Rows are whole 256-element tiles and offsets fit in int32: the kernels' fast layout."""
     rows = p.shape[0] if p.dim() >= 2 else 1
     return p.numel() % rows == 0 and (p.numel() // max(rows, 1)) % 256 == 0 and p.numel() < 2**31 - 2**20
+
+
+def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of ``nbytes`` bytes of ``t``'s storage from byte offset ``start``."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (nbytes,))
+
+
+def _coalesce(pairs):
+    """Merge (host, ring) tensor pairs whose bytes follow each other on both sides (up to the
+    16-byte padding both layouts use) into single byte-range pairs."""
+    out, run = [], None  # run: [host storage, host start, ring storage, ring start, end offset, first pair]
+    for host, ring in pairs:
+        if not host.numel():
+            continue
+        hs = host.storage_offset() * host.element_size()
+        rs = ring.storage_offset() * ring.element_size()
+        n = host.numel() * host.element_size()
+        padded = -(-n // 16) * 16
+        if (run is not None and host.untyped_storage().data_ptr() == run[0] and
+                ring.untyped_storage().data_ptr() == run[2] and hs - run[1] == rs - run[3] and hs == run[4]
+                and host.is_contiguous()):
+            run[4] = hs + padded
+            run[6] = hs + n
+            continue
+        if run is not None:
+            out.append(run)
+        run = [host.untyped_storage().data_ptr(), hs, ring.untyped_storage().data_ptr(), rs, hs + padded,
+               (host, ring), hs + n]
+    if run is not None:
+        out.append(run)
+    merged = []
+    for hptr, hs, rptr, rs, _, (host, ring), hend in out:
+        merged.append((_byte_view(host, hs, hend - hs), _byte_view(ring, rs, hend - hs)))
+    return merged
 
 
 class Bucket:
