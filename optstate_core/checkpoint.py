@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Dict
 
 import torch
 
-from .codecs import EncodedTensor, codec_from_config
+from .codecs import EncodedTensor, codec_from_config, slab_shape
+from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor
 from .store import ParamState, allocate_many, is_scalar_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import VirtualOptimizer
 
 FORMAT_VERSION = 1
+META_KEY = "optstate"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -40,21 +42,32 @@ def _parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def pack_value(value):
+def pack_value(value, param=None):
+    """One state value for a checkpoint. For a DTensor parameter the payload goes out as
+    DTensors on its mesh with global shapes (so DCP saves every rank's shard)."""
     if isinstance(value, EncodedTensor):
-        return {"encoded": {"codec": value.codec.config(), "shape": list(value.shape),
-                            "dtype": _dtype_name(value.dtype), "host_tier": value.host_tier,
-                            "payload": dict(value.payload)}}
+        shape, payload = list(value.shape), dict(value.payload)
+        if param is not None and is_dtensor(param):
+            shape = list(param.shape)
+            payload = payload_to_dtensor(param, value, slab_shape(param.shape))
+        return {"encoded": {"codec": value.codec.config(), "shape": shape, "dtype": _dtype_name(value.dtype),
+                            "host_tier": value.host_tier, "payload": payload}}
     return value
 
 
-def unpack_value(value, what: str):
+def unpack_value(value, what: str, param=None):
+    """Inverse of :func:`pack_value`; for a DTensor parameter, keep this rank's shard."""
     if isinstance(value, dict) and "encoded" in value:
         spec = value["encoded"]
         try:
             codec = codec_from_config(spec["codec"])
-            return EncodedTensor(codec, dict(spec["payload"]), tuple(spec["shape"]), _parse_dtype(spec["dtype"]),
-                                 bool(spec.get("host_tier", False)))
+            shape, payload = tuple(spec["shape"]), dict(spec["payload"])
+            if param is not None and is_dtensor(param) and tuple(param.shape) == shape:
+                layout = codec.payload_layout(*slab_shape(shape), _parse_dtype(spec["dtype"]))
+                payload = {k: (t.to_local() if is_dtensor(t) else local_rows_of(param, t, layout[k][2]))
+                           for k, t in payload.items()}
+                shape = tuple(local(param).shape)
+            return EncodedTensor(codec, payload, shape, _parse_dtype(spec["dtype"]), bool(spec.get("host_tier", False)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"state_dict: malformed encoded entry for {what}: {e}") from None
     return value
@@ -81,18 +94,24 @@ def build_state_dict(opt: "VirtualOptimizer") -> dict:
         for p in g["params"]:
             st = engine.state.get(p)
             if st:
-                state[index] = {k: pack_value(v) for k, v in st.items()}
+                state[index] = {k: pack_value(v, p) for k, v in st.items()}
             index += 1
         groups.append(packed)
-    out = {"state": state, "param_groups": groups,
-           "optstate": {"format_version": FORMAT_VERSION, "step": engine.step_count,
-                        "policy": engine.policy.state_dict(), "seed": engine.seed,
-                        "nonfinite_skipped": engine.nonfinite_skipped()}}
+    meta = {"format_version": FORMAT_VERSION, "step": engine.step_count, "policy": engine.policy.state_dict(),
+            "seed": engine.seed, "nonfinite_skipped": engine.nonfinite_skipped()}
+    if groups:  # also in the first group: torch.distributed.checkpoint keeps only state and groups
+        groups[0][META_KEY] = meta
+    out = {"state": state, "param_groups": groups, "optstate": meta}
     for hook in opt._optimizer_state_dict_post_hooks.values():
         result = hook(opt, out)
         if result is not None:
             out = result
     return out
+
+
+def saved_groups_meta(state_dict):
+    groups = state_dict.get("param_groups") or []
+    return groups[0].get(META_KEY) if groups and isinstance(groups[0], dict) else None
 
 
 def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
@@ -110,9 +129,9 @@ def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
 
 def _check_entry(param, key, value, what: str, elementwise: bool) -> None:
     if isinstance(value, EncodedTensor):
-        if tuple(value.shape) != tuple(param.shape):
+        if tuple(value.shape) != tuple(local(param).shape):
             raise ValueError(f"state_dict: {what} state {key!r} has shape {tuple(value.shape)}, "
-                             f"the parameter has shape {tuple(param.shape)}")
+                             f"the parameter has shape {tuple(local(param).shape)}")
         rows, cols = value.slab
         for name, (shape, dtype, _) in value.codec.payload_layout(rows, cols, value.dtype).items():
             t = value.payload.get(name)
@@ -136,7 +155,9 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
     engine = opt._engine
     groups = opt.param_groups
     saved_groups = state_dict["param_groups"]
-    meta = state_dict.get("optstate")
+    meta = state_dict.get(META_KEY)
+    if meta is None and saved_groups_meta(state_dict):
+        meta = saved_groups_meta(state_dict)
     if meta is not None and meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"state_dict: format_version {meta.get('format_version')} is newer than this "
                          f"optstate ({FORMAT_VERSION}); upgrade optstate to load it")
@@ -163,7 +184,7 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
             raise ValueError(f"state_dict: state of {what} must be a dict")
         st = ParamState()
         for key, value in entry.items():
-            value = unpack_value(value, what)
+            value = unpack_value(value, what, param)
             _check_entry(param, key, value, what, engine.elementwise)
             if isinstance(value, EncodedTensor):
                 target = torch.device("cpu") if value.host_tier else param.device
@@ -186,7 +207,7 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
     engine.state.clear()
     engine.state.update(new_state)
     for g, sg in zip(groups, saved_groups):
-        g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
+        g.update({k: v for k, v in sg.items() if k not in ("params", "param_names", META_KEY)})
     if meta is not None:
         engine.step_count = int(meta.get("step", 0))
         engine.nonfinite_host = int(meta.get("nonfinite_skipped", 0))
@@ -206,8 +227,14 @@ def _infer_step(state) -> int:
     return max(steps, default=0)
 
 
-def decoded_param_state(st: dict, device) -> dict:
-    return {k: (v.decode(device) if isinstance(v, EncodedTensor) else v) for k, v in st.items()}
+def decoded_param_state(st: dict, device, param=None) -> dict:
+    """A parameter's state with encoded values decoded (DTensors for a DTensor parameter)."""
+    def decode(v):
+        if not isinstance(v, EncodedTensor):
+            return v
+        out = v.decode(device)
+        return like_param(param, out) if param is not None and is_dtensor(param) else out
+    return {k: decode(v) for k, v in st.items()}
 
 
 def to_plain_state_dict(state_dict: dict, device="cpu") -> dict:
@@ -219,7 +246,8 @@ def to_plain_state_dict(state_dict: dict, device="cpu") -> dict:
     for pid, entry in state_dict["state"].items():
         values = {k: unpack_value(v, f"parameter {pid}") for k, v in entry.items()}
         state[pid] = {k: (v.decode(device) if isinstance(v, EncodedTensor) else v) for k, v in values.items()}
-    return {"state": state, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
+    return {"state": state, "param_groups": [{k: v for k, v in g.items() if k != META_KEY}
+                                             for g in state_dict["param_groups"]]}
 
 
 def export_state_dict(opt: "VirtualOptimizer", device="cpu") -> dict:
@@ -228,7 +256,7 @@ def export_state_dict(opt: "VirtualOptimizer", device="cpu") -> dict:
     engine.sync_transfers()
     groups, state, index = [], {}, 0
     for g in opt.param_groups:
-        packed = {k: v for k, v in g.items() if k != "params"}
+        packed = {k: v for k, v in g.items() if k not in ("params", META_KEY)}
         packed["params"] = list(range(index, index + len(g["params"])))
         for p in g["params"]:
             st = engine.state.get(p)

@@ -25,8 +25,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .codecs import EncodedTensor
+from .codecs import EncodedTensor, FP32Codec
 from .codecs.rounding import RoundingContext, state_seed, stream_key
+from .dtensor import agree_on_flags, any_distributed, is_dtensor, like_param, local, slab_placements
 from .fused import FusedPath
 from .policy import ParamInfo, Policy
 from .store import ParamState, StateMap, allocate, allocate_many, copy_scalar, is_scalar_state, matches
@@ -95,16 +96,19 @@ class StepBoundary:
 
 
 class Work:
-    """One parameter's share of a step."""
+    """One parameter's share of a step. ``key`` is the parameter as the groups hold it (maybe a
+    DTensor); ``param`` and ``grad`` are the local tensors the math runs on."""
 
-    __slots__ = ("param", "grad", "info", "state", "tiles_left", "dest", "scalars", "new_scalars", "rows", "cols")
+    __slots__ = ("key", "param", "grad", "info", "state", "tiles_left", "dest", "scalars", "new_scalars", "rows",
+                 "cols")
 
     def __init__(self, param, info, state):
-        self.param = param
-        self.grad = param.grad
+        self.key = param
+        self.param = local(param)
+        self.grad = local(param.grad)
         self.info = info
         self.state: ParamState = state
-        self.rows, self.cols = _slab(param.shape)
+        self.rows, self.cols = _slab(self.param.shape)
         self.tiles_left = 0
         self.dest: Dict[str, object] = {}
         self.scalars = {k: copy_scalar(v) for k, v in state.items() if is_scalar_state(v)}
@@ -176,6 +180,14 @@ class Engine:
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
 
+    # -- decisions ---------------------------------------------------------------------------------
+    def codec_of(self, w: "Work", key: str):
+        """The policy's codec, unless the parameter's sharding cannot keep whole blocks per rank."""
+        codec = self.policy.codec_for(w.info, key, self.step_count)
+        if not codec.lossless and is_dtensor(w.key) and slab_placements(w.key) is None:
+            return FP32Codec()
+        return codec
+
     # -- tiers -------------------------------------------------------------------------------------
     def tier_of(self, w: "Work", key: str) -> str:
         """Where a state lives between steps: the policy's answer, then the GPU budget."""
@@ -184,7 +196,7 @@ class Engine:
         tier = self.policy.tier_for(w.info, key, self.step_count)
         if self.offload_all:
             return "host"
-        if tier == "device" and self.resident is not None and id(w.param) not in self.resident:
+        if tier == "device" and self.resident is not None and id(w.key) not in self.resident:
             return "host"
         return tier
 
@@ -213,10 +225,10 @@ class Engine:
             keys = [k for k, v in w.state.items() if not is_scalar_state(v)] or ["exp_avg", "exp_avg_sq"]
             need = 0
             for key in keys:
-                codec = self.policy.codec_for(w.info, key, self.step_count)
+                codec = self.codec_of(w, key)
                 need += codec.nbytes(w.rows, w.cols, w.param.dtype if not codec.lossless else torch.float32)
             if need <= room:
-                resident.add(id(w.param))
+                resident.add(id(w.key))
                 room -= need
         self.resident = resident
 
@@ -254,11 +266,14 @@ class Engine:
             if w.grad.numel():
                 by_device.setdefault(w.grad.device, []).append(i)
         finite = [True] * len(works)
+        distributed = any_distributed([w.key for w in works])
         for idx in by_device.values():
             norms = torch._foreach_norm([works[i].grad for i in idx], float("inf"))
-            ok = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()  # the step's one sync
-            for i, flag in zip(idx, ok):
-                finite[i] = flag
+            bad = (~torch.isfinite(torch.stack([n.float() for n in norms]))).to(torch.int32)
+            if distributed:  # a shard's NaN skips the parameter on every rank
+                bad = agree_on_flags(bad)
+            for i, flag in zip(idx, bad.tolist()):  # the step's one sync
+                finite[i] = not flag
         kept = [w for w, ok in zip(works, finite) if ok]
         skipped = len(works) - len(kept)
         if skipped:
@@ -321,14 +336,14 @@ class Engine:
         buckets = self.fused.build(fused) if fused else []
         if passthrough:
             t = time.perf_counter()
-            self._run_inner([(w.param, w.state, w.info.group_index) for w in passthrough], use_real_state=True)
+            self._run_inner([(w.key, w.state, w.info.group_index) for w in passthrough], use_real_state=True)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if tiled:
             self._run_tiled(tiled, update=True)
-        items = [(w.param, w.state, w.info.group_index) for w in passthrough]
+        items = [(w.key, w.state, w.info.group_index) for w in passthrough]
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
             and len(fused) + len(passthrough) == len(works)
-        params = [p for b in buckets for p in b.params] + [p for p, _, _ in items]
+        params = [k for b in buckets for k in b.keys] + [p for p, _, _ in items]
         self._plan_cache = (signature, buckets, items, self._state_identity(params)) if cacheable else None
         self.fused.index_offloaded(buckets if cacheable else [])
         return buckets
@@ -424,7 +439,7 @@ class Engine:
         for key, value in tensors.items():
             if isinstance(value, EncodedTensor):
                 return True
-            codec = self.policy.codec_for(w.info, key, self.step_count)
+            codec = self.codec_of(w, key)
             host = self.tier_of(w, key) == "host"
             if not matches(value, codec, host, w.param.device):
                 return True
@@ -507,9 +522,9 @@ class Engine:
         wanted: Dict[tuple, list] = {}
         for w in works:
             for key, value in w.state.items():
-                if is_scalar_state(value) or tuple(value.shape) != tuple(w.param.shape):
+                if is_scalar_state(value) or tuple(local(value).shape) != tuple(w.param.shape):
                     continue
-                codec = self.policy.codec_for(w.info, key, self.step_count)
+                codec = self.codec_of(w, key)
                 host = self.tier_of(w, key) == "host"
                 if not matches(value, codec, host, w.param.device):
                     wanted.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key))
@@ -517,7 +532,8 @@ class Engine:
             pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
             values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin)
             for (w, key), value in zip(items, values):
-                w.dest[key] = value
+                w.dest[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
+                    else value
 
     def _run_tiled(self, works: List[Work], update: bool) -> None:
         self._preallocate(works)
@@ -544,7 +560,9 @@ class Engine:
         """Build the tile's parameter/gradient views and its full-precision state."""
         w, p = tile.work, tile.work.param
         if tile.whole:
-            tile.tensor = p
+            tile.tensor = p.detach()
+            if w.grad is not None:
+                tile.tensor.grad = w.grad
         else:
             tile.tensor = p.detach().view(-1)[tile.start:tile.stop]
             if w.grad is not None:
@@ -558,6 +576,7 @@ class Engine:
             else:
                 if value.device != p.device:
                     value = w.state[key] = value.to(p.device)
+                value = local(value)
                 states[key] = value if tile.whole else value.view(-1)[tile.start:tile.stop]
         tile.states = states
 
@@ -580,6 +599,7 @@ class Engine:
             if dest is None:
                 dest = w.dest[key] = self._destination(w, key, value)
             if isinstance(dest, torch.Tensor):
+                dest = local(dest)
                 target = dest if tile.whole else dest.view(-1)[tile.start:tile.stop]
                 if target.data_ptr() != value.data_ptr():
                     target.copy_(value.reshape(target.shape))
@@ -591,16 +611,17 @@ class Engine:
         if w.tiles_left == 0:
             w.state.update(w.new_scalars)
             w.state.update(w.dest)
-            self.state[w.param] = w.state
+            self.state[w.key] = w.state
 
     def _destination(self, w: Work, key: str, value: torch.Tensor):
-        codec = self.policy.codec_for(w.info, key, self.step_count)
+        codec = self.codec_of(w, key)
         host = self.tier_of(w, key) == "host"
         current = w.state.get(key)
         if current is not None and matches(current, codec, host, w.param.device):
             return current
         pin = self.pin_memory if self.pin_memory is not None else w.param.device.type == "cuda"
-        return allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin)
+        dest = allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin)
+        return like_param(w.key, dest) if isinstance(dest, torch.Tensor) and is_dtensor(w.key) else dest
 
     def _encode_tile(self, dest: EncodedTensor, tile: Tile, key: str, value: torch.Tensor, step: int) -> None:
         codec = dest.codec
@@ -642,7 +663,7 @@ class Engine:
             for key, value in w.state.items():
                 if not isinstance(value, EncodedTensor):
                     continue
-                codec = self.policy.codec_for(w.info, key, self.step_count)
+                codec = self.codec_of(w, key)
                 host = self.tier_of(w, key) == "host"
                 if value.codec == codec and not matches(value, codec, host, w.param.device):
                     moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value))

@@ -21,6 +21,7 @@ import torch
 from .codecs import BF16Codec, EncodedTensor, FP32Codec, Int4Codec, Int8Codec
 from .codecs.rounding import state_seed, stream_key
 from .kernels import interpreting, triton_error
+from .dtensor import agree_on_flags, any_distributed, is_dtensor, like_param, local
 from .store import allocate_many
 from .transfer import StagingRing, Streams
 
@@ -102,7 +103,7 @@ class FusedPath:
         if p.numel() == 0:
             return None
         step = self.engine.step_count
-        codecs = [self.engine.policy.codec_for(w.info, k, step) for k in keys]
+        codecs = [self.engine.codec_of(w, k) for k in keys]
         kinds = [state_kind(c) for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
@@ -126,6 +127,7 @@ class FusedPath:
                             and value.device.type == "cpu" and value.payload_contiguous()):
                         return None
                 elif kd == FP32:
+                    value = local(value)
                     if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32
                             and value.device == p.device and value.is_contiguous()):
                         return None
@@ -151,7 +153,7 @@ class FusedPath:
             self._allocate_missing(ws, plan)
             storages = [self._storage(w, plan) for w in ws]
             for w in ws:
-                self.engine.state[w.param] = w.state
+                self.engine.state[w.key] = w.state
             buckets.append(Bucket(ws, storages, plan))
         return buckets
 
@@ -167,11 +169,12 @@ class FusedPath:
                 values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
                                        host=offload, pin_memory=offload and pin)
                 for w, value in zip(missing, values):
-                    w.state[key] = value
+                    w.state[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
+                        else value
 
     def _storage(self, w, plan):
-        """The state tensors the kernel reads and writes."""
-        out = [w.state[key] for key in plan["keys"]]
+        """The state tensors the kernel reads and writes (local shards)."""
+        out = [local(w.state[key]) for key in plan["keys"]]
         if plan["kind"] == "adam":
             step = w.state.get("step")
             if not isinstance(step, torch.Tensor) or step.device != w.param.device or step.dtype != torch.float32:
@@ -260,7 +263,7 @@ class FusedPath:
 
     def index_offloaded(self, buckets) -> None:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks)."""
-        self._where = {id(p): (b, i) for b in buckets if b.plan["offload"] for i, p in enumerate(b.params)}
+        self._where = {id(k): (b, i) for b in buckets if b.plan["offload"] for i, k in enumerate(b.keys)}
 
     def launch_all(self, buckets) -> None:
         """Launch a step's buckets: resident ones directly; streamed ones through the ring, with
@@ -275,7 +278,7 @@ class FusedPath:
         work = []
         for b in streamed:
             flags = self._nonfinite_flags(b)
-            pre = [(i, 0, b.rows[i]) for i, p in enumerate(b.params) if id(p) in self.prefetched]
+            pre = [(i, 0, b.rows[i]) for i, k in enumerate(b.keys) if id(k) in self.prefetched]
             work.append((b, flags, pre))
         for b, flags, pre in work:
             if pre:
@@ -297,7 +300,7 @@ class FusedPath:
         if prefetched:
             regions, staged = [], []
             for i, _, _ in pieces:
-                start, values, ev_up = self.prefetched.pop(id(bucket.params[i]))
+                start, values, ev_up = self.prefetched.pop(id(bucket.keys[i]))
                 streams.wait(None, ev_up)
                 regions.append(start)
                 staged.append(values)
@@ -330,6 +333,8 @@ class FusedPath:
         nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_t, prog_b,
                                           P_KIND=P_KINDS[bucket.params[0].dtype], NBLK=NBLK, ALIGNED=bucket.aligned,
                                           num_warps=NUM_WARPS)
+        if any_distributed(bucket.keys):
+            agree_on_flags(flags)
         total = flags.sum()
         self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
         return flags
@@ -476,6 +481,7 @@ class Bucket:
     """One kernel launch's worth of parameters (same group, codecs, dtype, layout)."""
 
     def __init__(self, works, storages, plan):
+        self.keys = [w.key for w in works]
         self.params = [w.param for w in works]
         self.states = [w.state for w in works]
         self.indices = [w.info.index for w in works]
@@ -493,7 +499,8 @@ class Bucket:
         self._param_index = None
 
     def grad_list(self):
-        return self.grads if self.grads is not None else [p.grad for p in self.params]
+        """The current gradients (read each step: they may be new tensors every step)."""
+        return self.grads if self.grads is not None else [local(k.grad) for k in self.keys]
 
     def param_index(self, device):
         """For a piece bucket: each piece's parameter index in the parent bucket (device table)."""
@@ -504,8 +511,10 @@ class Bucket:
         """The same launch over row pieces ``(i, r0, r1)`` of its parameters, with other state
         storages (the staged copies): views of the parameter and gradient rows."""
         sub = object.__new__(Bucket)
+        sub.keys = [self.keys[i] for i, _, _ in pieces]
         sub.params = [self.params[i].detach().view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
-        sub.grads = [self.params[i].grad.view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
+        grads = self.grad_list()
+        sub.grads = [grads[i].view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
         sub.states = [self.states[i] for i, _, _ in pieces]
         sub.indices = [self.indices[i] for i, _, _ in pieces]
         sub.shapes = [(r1 - r0, self.cols[i]) for i, r0, r1 in pieces]

@@ -279,7 +279,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
 
     def get_state(self, param: torch.Tensor) -> dict:
         """The decoded (full-precision) state of one parameter, as the inner optimizer sees it."""
-        return checkpoint.decoded_param_state(self._engine.state.get(param, {}), param.device)
+        self._engine.sync_transfers()
+        return checkpoint.decoded_param_state(self._engine.state.get(param, {}), param.device, param)
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -1,0 +1,114 @@
+"""Jobs run by 2 gloo processes for tests/distributed (imported by the spawned workers)."""
+import os
+
+import torch
+import torch.distributed as dist
+
+import optstate_core as oc
+
+LR = 1e-2
+BATCH = torch.Generator().manual_seed(7)
+DATA = [(torch.randn(8, 256, generator=BATCH), torch.randn(8, 256, generator=BATCH)) for _ in range(8)]
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
+                               torch.nn.GELU(), torch.nn.Linear(256, 256))
+
+
+def make_optimizer(model):
+    # The 512-element bias is sharded in aligned halves (int8 on each rank). 256-element biases
+    # would split into 128-element shards, which cannot hold whole blocks (fp32 under FSDP2):
+    # min_int8_elements=300 keeps them fp32 in the single-process reference too.
+    return oc.wrap(torch.optim.AdamW(model.parameters(), lr=LR),
+                   oc.make_policy("8bit", min_int8_elements=300))
+
+
+def train(model, opt, steps, rank=0, world=1, first=0):
+    for s in range(first, first + steps):
+        x, y = DATA[s]
+        rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def init(rank, world, tmp):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{tmp}/pg")
+
+
+def fsdp_job(rank, world, tmp):
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    init(rank, world, tmp)
+
+    def sharded():
+        model = build_model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, make_optimizer(model)
+
+    model, opt = sharded()
+    train(model, opt, 3, rank, world)
+    out = {"params": [full(p.detach()).clone() for p in model.parameters()],
+           "local_state_bytes": opt.memory_report()["state_bytes"],
+           "codecs": [opt.state[p]["exp_avg"].codec.name if isinstance(opt.state[p]["exp_avg"], oc.EncodedTensor)
+                      else "fp32" for p in model.parameters()],
+           "exp_avg": [full(opt.get_state(p)["exp_avg"]).clone() for p in model.parameters()]}
+
+    # a NaN in one rank's shard skips that parameter on every rank
+    opt.zero_grad()
+    x, y = DATA[3]
+    torch.nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+    w = model[2].weight
+    if rank == 1:
+        w.grad._local_tensor[0, 0] = float("nan")
+    before = full(w.detach()).clone()
+    opt.step()
+    out["nan_param_unchanged"] = torch.equal(full(w.detach()), before)
+    out["nonfinite_skipped"] = opt.memory_report()["nonfinite_skipped"]
+
+    # DCP round trip: save, continue 2 steps; reload into fresh objects and redo the 2 steps
+    ckpt = f"{tmp}/dcp"
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    train(model, opt, 2, rank, world, first=4)
+    out["expected"] = [full(p.detach()).clone() for p in model.parameters()]
+    model2, opt2 = sharded()
+    sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model2, sd["model"])
+    set_optimizer_state_dict(model2, opt2, sd["optim"])
+    out["resumed_step_count"] = opt2.step_count
+    train(model2, opt2, 2, rank, world, first=4)
+    out["resumed"] = [full(p.detach()).clone() for p in model2.parameters()]
+    if rank == 0:
+        torch.save(out, f"{tmp}/fsdp_result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ddp_job(rank, world, tmp):
+    init(rank, world, tmp)
+    model = torch.nn.parallel.DistributedDataParallel(build_model())
+    opt = make_optimizer(model)
+    train(model, opt, 3, rank, world)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(gathered, params)
+    if rank == 0:
+        torch.save({"params": params, "ranks_equal": all(torch.equal(g, params) for g in gathered)},
+                   f"{tmp}/ddp_result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
