@@ -21,8 +21,9 @@ def make_optimizer(model):
     # The 512-element bias is sharded in aligned halves (int8 on each rank). 256-element biases
     # would split into 128-element shards, which cannot hold whole blocks (fp32 under FSDP2):
     # min_int8_elements=300 keeps them fp32 in the single-process reference too.
+    fused = True if os.environ.get("OPTSTATE_TEST_FUSED") == "1" else None  # fused kernels (interpreted)
     return oc.wrap(torch.optim.AdamW(model.parameters(), lr=LR),
-                   oc.make_policy("8bit", min_int8_elements=300))
+                   oc.make_policy("8bit", min_int8_elements=300), fused=fused)
 
 
 def train(model, opt, steps, rank=0, world=1, first=0):
