@@ -59,6 +59,7 @@ class FusedPath:
         self._streams: Optional[Streams] = None
         self._ring: Optional[StagingRing] = None
         self.last_writeback = None  # event of the last queued write-back
+        self.step_writeback = None  # the previous step's last write-back: this step's uploads wait on it
         self.prefetched: Dict[int, tuple] = {}  # id(param) -> (ring offset, staged state, upload event)
         self.prefetched_bytes = 0
         self._where: Dict[int, tuple] = {}
@@ -185,7 +186,8 @@ class FusedPath:
     def __getstate__(self):
         self.sync()
         state = dict(self.__dict__)
-        state.update(_streams=None, _ring=None, last_writeback=None, prefetched={}, prefetched_bytes=0, _where={})
+        state.update(_streams=None, _ring=None, last_writeback=None, step_writeback=None, prefetched={},
+                     prefetched_bytes=0, _where={})
         return state
 
     # -- streamed (offloaded) buckets ---------------------------------------------------------------
@@ -203,7 +205,7 @@ class FusedPath:
         """Wait for queued write-backs (before the host payloads are read, replaced or freed)."""
         if self.last_writeback is not None:
             self.last_writeback.synchronize()
-            self.last_writeback = None
+            self.last_writeback = self.step_writeback = None
 
     def close(self) -> None:
         self.sync()
@@ -256,7 +258,7 @@ class FusedPath:
             return
         start = ring.reserve(nbytes, streams.h2d)
         staged = self._stage(bucket, [piece], start)
-        streams.wait(streams.h2d, self.last_writeback)
+        streams.wait(streams.h2d, self.last_writeback)  # during backward: the last step's write-backs
         self.engine.transfers.h2d_bytes += self._transfer(bucket, [piece], staged, True, streams)
         self.prefetched[id(param)] = (start, staged[0], streams.event(streams.h2d))
         self.prefetched_bytes += nbytes
@@ -275,6 +277,9 @@ class FusedPath:
         if not streamed:
             return
         ring = self.ring(streamed[0].params[0].device)
+        # Uploads of this step must not read host rows the previous step is still writing back;
+        # within a step chunks are disjoint, so uploads and write-backs overlap (PCIe duplex).
+        self.step_writeback = self.last_writeback
         work = []
         for b in streamed:
             flags = self._nonfinite_flags(b)
@@ -308,7 +313,7 @@ class FusedPath:
             start = ring.reserve(sum(bucket.piece_bytes(pc) for pc in pieces), streams.h2d)
             regions, staged = [start], self._stage(bucket, pieces, start)
             if not bucket.first:
-                streams.wait(streams.h2d, self.last_writeback)
+                streams.wait(streams.h2d, self.step_writeback)
                 transfers.h2d_bytes += self._transfer(bucket, pieces, staged, True, streams)
             streams.wait(None, streams.event(streams.h2d))
         self._launch_kernels(bucket.sub(pieces, staged), flags=flags, advance=False)
