@@ -112,10 +112,11 @@ class FusedPath:
         if len(tiers) != 1:
             return self._fallback("a parameter with states in different tiers")
         offload = tiers == {"host"}
-        if offload:
-            staged = sum(c.nbytes(w.rows, w.cols, torch.float32 if c.lossless else p.dtype) + 64 for c in codecs)
-            if staged > self.engine.staging_size(p.device):
-                return self._fallback("a parameter's state is larger than the staging ring (raise staging_bytes)")
+        if offload:  # a parameter streams in row pieces: one row must fit a chunk (half the ring)
+            row = sum(c.nbytes(1, w.cols, torch.float32 if c.lossless else p.dtype) + 64 for c in codecs)
+            if row > self.engine.staging_size(p.device) // 2:
+                return self._fallback("one row of a parameter's state is larger than half the staging ring "
+                                      "(raise staging_bytes)")
         present = [k for k in keys if w.state.get(k) is not None]
         first = not present
         if not first:
@@ -208,10 +209,12 @@ class FusedPath:
             self.last_writeback = self.step_writeback = None
 
     def close(self) -> None:
+        from .kernels import launch
         self.sync()
         self._ring = None
         self._streams = None
         self.prefetched.clear()
+        launch.clear_caches()
 
     def _stage(self, bucket, pieces, start):
         """Device views (in the ring, from ``start``) for the state rows of ``pieces``, laid out

@@ -71,3 +71,9 @@ def cached_table(values: Sequence[int], device: torch.device) -> torch.Tensor:
             _TABLE_CACHE.clear()
         table = _TABLE_CACHE[key] = device_table(values, device)
     return table
+
+
+def clear_caches() -> None:
+    """Drop cached device tables (rebuilt on demand; used when an optimizer closes)."""
+    _SHAPE_CACHE.clear()
+    _TABLE_CACHE.clear()
