@@ -217,8 +217,9 @@ def run(args) -> int:
         variants = shapes_to_try if cfg.name not in ("adamw",) and not cfg.name.startswith(("bnb", "ao")) else [None]
         for variant in variants:
             name = label
-            if variant is not None:
+            if variant is not None and args.tune:
                 fused.NBLK, fused.NUM_WARPS = variant
+                fused.NBLK_4BIT, fused.NUM_WARPS_4BIT = variant
                 if len(variants) > 1:
                     name = f"{label} [{variant[0]}x256, {variant[1]} warps]"
             log.info("bench: %s", name)

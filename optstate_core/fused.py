@@ -30,8 +30,11 @@ log = logging.getLogger("optstate")
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))  # 256-element tiles per program
+# launch shape (256-element tiles per program, warps), tuned on an H200: int8/bf16 states
+# (4, 4); 4-bit states, whose codebook reads are latency-bound, (2, 2). Env vars override.
+NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
+NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.environ.get("OPTSTATE_NUM_WARPS", 2)))
 # hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
@@ -368,7 +371,8 @@ class FusedPath:
         engine, plan, params = self.engine, bucket.plan, bucket.params
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
-        cols, nbr, nblocks, prog_t, prog_b, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
+        nblk, warps = (NBLK_4BIT, NUM_WARPS_4BIT) if INT4 in plan["kinds"] else (NBLK, NUM_WARPS)
+        cols, nbr, nblocks, prog_t, prog_b, n_prog = launch.work_tables(bucket.shapes, nblk, device)
         P = launch.pointer_table(params, device)
         G = launch.pointer_table(bucket.grad_list(), device)
         sr = any(c.stochastic_rounding for c in plan["codecs"]) or self.stochastic_param_rounding
@@ -393,7 +397,7 @@ class FusedPath:
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
         M, MS = bucket.tables(0, device)
-        common = dict(NBLK=NBLK, ALIGNED=aligned, num_warps=NUM_WARPS, CHECK_FINITE=check, LR_TENSOR=lr_tensor,
+        common = dict(NBLK=nblk, ALIGNED=aligned, num_warps=warps, CHECK_FINITE=check, LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
