@@ -48,7 +48,7 @@ adam_scalars = {"lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp3
                 "one_minus_beta1": "fp32", "one_minus_beta2": "fp32",
                 "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
                 "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
-                "PROG_T": "*i32", "PROG_B": "*i32"}
+                "PROG_START": "*i32", "N_TENSORS": "i32"}
 n = 0
 kinds = [(2, 2), (3, 3), (1, 1), (2, 0), (3, 2)]
 for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, False], [False, True], [True, False],
@@ -69,13 +69,13 @@ s = sig(advance_steps_kernel, {"FLAGS": "*i32"})
 s["CHECK_FINITE"] = "constexpr"
 compile_kernel(advance_steps_kernel, s, {"CHECK_FINITE": True})
 for aligned in (True, False):
-    s = sig(nonfinite_flags_kernel, {"FLAGS": "*i32", "PROG_T": "*i32", "PROG_B": "*i32"})
+    s = sig(nonfinite_flags_kernel, {"FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(P_KIND=0, NBLK=4, ALIGNED=aligned)
     s.update({k: "constexpr" for k in c})
     compile_kernel(nonfinite_flags_kernel, s, c)
     s = sig(sgd_kernel, {"lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
-                         "FLAGS": "*i32", "PROG_T": "*i32", "PROG_B": "*i32"})
+                         "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
              CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned)
     s.update({k: "constexpr" for k in c})

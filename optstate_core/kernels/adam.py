@@ -42,6 +42,21 @@ def store_param(p, p_ptr, elem, sr_idx, mask, key_ptr, P_KIND: tl.constexpr, P_S
 
 
 @triton.jit
+def program_tile(pid, PROG_START, N_TENSORS, NBLK: tl.constexpr):
+    """Tensor ``t`` and first tile of program ``pid``: the last ``t`` with
+    ``PROG_START[t] <= pid`` (binary search over the per-tensor prefix of program counts, so the
+    launch needs O(tensors) table memory, not O(programs))."""
+    lo = 0
+    hi = N_TENSORS
+    for _ in tl.static_range(17):  # up to 2**17 tensors per launch
+        mid = (lo + hi) // 2
+        go = tl.load(PROG_START + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo, (pid - tl.load(PROG_START + lo)) * NBLK
+
+
+@triton.jit
 def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
     """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``:
     (elements, mask, packed-byte offsets, their mask, int8 scale offsets, int4 scale offsets,
@@ -112,7 +127,7 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 @triton.jit
 def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
-                COLS, NBR, NBLOCKS, PROG_T, PROG_B,
+                COLS, NBR, NBLOCKS, PROG_START, N_TENSORS,
                 lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
                 P_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
@@ -122,11 +137,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False):
     pid = tl.program_id(0)
-    t = tl.load(PROG_T + pid)
+    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK)
     if CHECK_FINITE:
         if tl.load(FLAGS + t) != 0:
             return
-    b0 = tl.load(PROG_B + pid)
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
 
     p_ptr = param_pointer(tl.load(P + t), P_KIND)

@@ -1,8 +1,8 @@
 """Launch helpers: pointer tables and per-program work lists for the multi-tensor kernels.
 
 A launch covers T tensors. Each tensor is seen as a ``[rows, cols]`` slab cut into 256-column
-tiles (row-major); program ``i`` updates ``NBLK`` consecutive tiles of tensor ``PROG_T[i]``
-starting at tile ``PROG_B[i]``. Tables live on the device; pointer tables are rebuilt each step
+tiles (row-major); tensor ``t`` gets programs ``PROG_START[t] .. PROG_START[t + 1] - 1``, each
+updating ``NBLK`` consecutive tiles (the kernels find ``t`` by binary search). Tables live on the device; pointer tables are rebuilt each step
 (gradients and payloads may move) through pinned memory without a host synchronisation, the
 shape tables are cached by shapes.
 """
@@ -33,24 +33,24 @@ def device_table(values: Sequence[int], device: torch.device, dtype=torch.int64)
 
 
 def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
-    """(COLS, NBR, NBLOCKS, PROG_T, PROG_B, n_programs) for tensors of these shapes."""
+    """(COLS, NBR, NBLOCKS, PROG_START, n_tensors, n_programs) for tensors of these shapes."""
     key = (tuple(shapes), nblk, str(device))
     hit = _SHAPE_CACHE.get(key)
     if hit is not None:
         return hit
-    cols, nbr, nblocks, prog_t, prog_b = [], [], [], [], []
-    for t, shape in enumerate(shapes):
+    cols, nbr, nblocks, prog_start = [], [], [], [0]
+    for shape in shapes:
         rows, c = slab(shape)
         per_row = -(-c // TILE)
         total = rows * per_row
         cols.append(c)
         nbr.append(max(per_row, 1))
         nblocks.append(total)
-        n_prog = -(-total // nblk)
-        prog_t.extend([t] * n_prog)
-        prog_b.extend(range(0, n_prog * nblk, nblk))
+        prog_start.append(prog_start[-1] + -(-total // nblk))
+    if len(shapes) >= 2**17:
+        raise ValueError("at most 131071 tensors per launch")
     out = (device_table(cols, device), device_table(nbr, device), device_table(nblocks, device),
-           device_table(prog_t, device, torch.int32), device_table(prog_b, device, torch.int32), len(prog_t))
+           device_table(prog_start, device, torch.int32), len(shapes), prog_start[-1])
     if len(_SHAPE_CACHE) > 256:
         _SHAPE_CACHE.clear()
     _SHAPE_CACHE[key] = out

@@ -5,15 +5,14 @@ The reference twin is ``torch.isfinite(grad).all()`` per tensor.
 import triton
 import triton.language as tl
 
-from .adam import param_pointer, tile_offsets
+from .adam import param_pointer, program_tile, tile_offsets
 
 
 @triton.jit
-def nonfinite_flags_kernel(G, FLAGS, COLS, NBR, NBLOCKS, PROG_T, PROG_B, P_KIND: tl.constexpr,
+def nonfinite_flags_kernel(G, FLAGS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, P_KIND: tl.constexpr,
                            NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
     pid = tl.program_id(0)
-    t = tl.load(PROG_T + pid)
-    b0 = tl.load(PROG_B + pid)
+    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK)
     elem, mask, _, _, _, _, _, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     g = tl.load(param_pointer(tl.load(G + t), P_KIND) + elem, mask=mask, other=0.0).to(tl.float32)
     bad = tl.max(tl.where(tl.abs(g) < float("inf"), 0, 1))  # NaN compares false: counted too

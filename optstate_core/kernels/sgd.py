@@ -5,23 +5,22 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import param_pointer, store_param, tile_offsets
+from .adam import param_pointer, program_tile, store_param, tile_offsets
 from .codec_ops import load_state, store_state
 
 
 @triton.jit
-def sgd_kernel(P, G, M, MS, FLAGS, KEYS, BASE, COLS, NBR, NBLOCKS, PROG_T, PROG_B,
+def sgd_kernel(P, G, M, MS, FLAGS, KEYS, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                M_INV_POW: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
                LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
     pid = tl.program_id(0)
-    t = tl.load(PROG_T + pid)
+    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK)
     if CHECK_FINITE:
         if tl.load(FLAGS + t) != 0:
             return
-    b0 = tl.load(PROG_B + pid)
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr = param_pointer(tl.load(P + t), P_KIND)
     g_ptr = param_pointer(tl.load(G + t), P_KIND)

@@ -118,9 +118,10 @@ def test_close_releases_device_and_pinned_memory():
     base_dev, base_host = torch.cuda.memory_allocated(), host_allocated()
     for _ in range(9):
         cycle()
+    # one optimizer holds ~1 MiB of pinned state here: 9 leaked cycles would add >= 9 MiB
     assert torch.cuda.memory_allocated() <= base_dev
     if base_host is not None:
-        assert host_allocated() <= base_host
+        assert host_allocated() <= base_host + 64 * 1024
 
 
 def test_prefetch_during_backward_on_gpu():
