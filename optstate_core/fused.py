@@ -152,7 +152,9 @@ class FusedPath:
                    tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]), _aligned(w.param))
             groups.setdefault(key, []).append((w, plan))
         buckets = []
-        for items in groups.values():
+        from .kernels.launch import MAX_TENSORS
+        split = [items[i:i + MAX_TENSORS - 1] for items in groups.values() for i in range(0, len(items), MAX_TENSORS - 1)]
+        for items in split:
             plan = items[0][1]
             ws = [w for w, _ in items]
             self._allocate_missing(ws, plan)
@@ -338,10 +340,10 @@ class FusedPath:
         if not self.engine.skip_nonfinite:
             return None
         device, n = bucket.params[0].device, len(bucket.params)
-        cols, nbr, nblocks, prog_start, n_t, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
         flags = torch.zeros(n, dtype=torch.int32, device=device)
         G = launch.pointer_table(bucket.grad_list(), device)
-        nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_start, n_t,
+        nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_start, n_t, tpow2,
                                           P_KIND=P_KINDS[bucket.params[0].dtype], NBLK=NBLK, ALIGNED=bucket.aligned,
                                           num_warps=NUM_WARPS)
         if any_distributed(bucket.keys):
@@ -372,7 +374,7 @@ class FusedPath:
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
         nblk, warps = (NBLK_4BIT, NUM_WARPS_4BIT) if INT4 in plan["kinds"] else (NBLK, NUM_WARPS)
-        cols, nbr, nblocks, prog_start, n_t, n_prog = launch.work_tables(bucket.shapes, nblk, device)
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk, device)
         P = launch.pointer_table(params, device)
         G = launch.pointer_table(bucket.grad_list(), device)
         sr = any(c.stochastic_rounding for c in plan["codecs"]) or self.stochastic_param_rounding
@@ -408,7 +410,7 @@ class FusedPath:
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, BASE, cols, nbr, nblocks, prog_start, n_t,
+                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, beta1, beta2, math.log(beta1) if beta1 > 0 else -1e30,
                 math.log(beta2) if beta2 > 0 else -1e30, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
@@ -423,7 +425,7 @@ class FusedPath:
                 self._advance_steps(bucket, flags if check else None)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, flags, KEYS, BASE, cols, nbr, nblocks, prog_start, n_t,
+                P, G, M, MS, flags, KEYS, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), NESTEROV=bool(group["nesterov"]),

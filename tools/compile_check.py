@@ -55,7 +55,7 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
                                                                 [False, True]):
     if not args.all and (first or not check) and (mk, vk) != (2, 2):
         continue
-    const = dict(P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=False, V_SR=mk == 3, P_SR=False, M_LEVELS=15, V_LEVELS=16,
+    const = dict(TPOW2=256, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=False, V_SR=mk == 3, P_SR=False, M_LEVELS=15, V_LEVELS=16,
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
                  NBLK=4, ALIGNED=aligned, FAST_MATH=fast)
@@ -70,13 +70,13 @@ s["CHECK_FINITE"] = "constexpr"
 compile_kernel(advance_steps_kernel, s, {"CHECK_FINITE": True})
 for aligned in (True, False):
     s = sig(nonfinite_flags_kernel, {"FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
-    c = dict(P_KIND=0, NBLK=4, ALIGNED=aligned)
+    c = dict(TPOW2=256, P_KIND=0, NBLK=4, ALIGNED=aligned)
     s.update({k: "constexpr" for k in c})
     compile_kernel(nonfinite_flags_kernel, s, c)
     s = sig(sgd_kernel, {"lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
-    c = dict(P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
+    c = dict(TPOW2=256, P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
              CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned)
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)

@@ -42,18 +42,14 @@ def store_param(p, p_ptr, elem, sr_idx, mask, key_ptr, P_KIND: tl.constexpr, P_S
 
 
 @triton.jit
-def program_tile(pid, PROG_START, N_TENSORS, NBLK: tl.constexpr):
-    """Tensor ``t`` and first tile of program ``pid``: the last ``t`` with
-    ``PROG_START[t] <= pid`` (binary search over the per-tensor prefix of program counts, so the
-    launch needs O(tensors) table memory, not O(programs))."""
-    lo = 0
-    hi = N_TENSORS
-    for _ in tl.static_range(17):  # up to 2**17 tensors per launch
-        mid = (lo + hi) // 2
-        go = tl.load(PROG_START + mid) <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    return lo, (pid - tl.load(PROG_START + lo)) * NBLK
+def program_tile(pid, PROG_START, N_TENSORS, NBLK: tl.constexpr, TPOW2: tl.constexpr):
+    """Tensor ``t`` and first tile of program ``pid``: ``t`` = the number of tensors whose first
+    program is <= pid, minus one, counted over the per-tensor prefix table in one vector load
+    (O(tensors) table memory instead of O(programs); TPOW2 >= tensors + 1, a power of two)."""
+    i = tl.arange(0, TPOW2)
+    starts = tl.load(PROG_START + i, mask=i <= N_TENSORS, other=2147483647)
+    t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    return t, (pid - tl.load(PROG_START + t)) * NBLK
 
 
 @triton.jit
@@ -127,7 +123,7 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 @triton.jit
 def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
-                COLS, NBR, NBLOCKS, PROG_START, N_TENSORS,
+                COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
                 P_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
@@ -137,7 +133,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False):
     pid = tl.program_id(0)
-    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK)
+    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     if CHECK_FINITE:
         if tl.load(FLAGS + t) != 0:
             return

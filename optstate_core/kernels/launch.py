@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 TILE = 256
+MAX_TENSORS = 4096  # per launch (the kernels scan the per-tensor table in one vector)
 _SHAPE_CACHE: Dict[tuple, Tuple[torch.Tensor, ...]] = {}
 _TABLE_CACHE: Dict[tuple, torch.Tensor] = {}
 
@@ -33,7 +34,7 @@ def device_table(values: Sequence[int], device: torch.device, dtype=torch.int64)
 
 
 def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
-    """(COLS, NBR, NBLOCKS, PROG_START, n_tensors, n_programs) for tensors of these shapes."""
+    """(COLS, NBR, NBLOCKS, PROG_START, n_tensors, TPOW2, n_programs) for tensors of these shapes."""
     key = (tuple(shapes), nblk, str(device))
     hit = _SHAPE_CACHE.get(key)
     if hit is not None:
@@ -47,10 +48,11 @@ def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
         nbr.append(max(per_row, 1))
         nblocks.append(total)
         prog_start.append(prog_start[-1] + -(-total // nblk))
-    if len(shapes) >= 2**17:
-        raise ValueError("at most 131071 tensors per launch")
+    if len(shapes) >= MAX_TENSORS:
+        raise ValueError(f"at most {MAX_TENSORS - 1} tensors per launch")
+    tpow2 = max(16, 1 << len(shapes).bit_length())
     out = (device_table(cols, device), device_table(nbr, device), device_table(nblocks, device),
-           device_table(prog_start, device, torch.int32), len(shapes), prog_start[-1])
+           device_table(prog_start, device, torch.int32), len(shapes), tpow2, prog_start[-1])
     if len(_SHAPE_CACHE) > 256:
         _SHAPE_CACHE.clear()
     _SHAPE_CACHE[key] = out

@@ -9,10 +9,11 @@ from .adam import param_pointer, program_tile, tile_offsets
 
 
 @triton.jit
-def nonfinite_flags_kernel(G, FLAGS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, P_KIND: tl.constexpr,
+def nonfinite_flags_kernel(G, FLAGS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
+                           P_KIND: tl.constexpr,
                            NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
     pid = tl.program_id(0)
-    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK)
+    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, _, _, _, _, _, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     g = tl.load(param_pointer(tl.load(G + t), P_KIND) + elem, mask=mask, other=0.0).to(tl.float32)
     bad = tl.max(tl.where(tl.abs(g) < float("inf"), 0, 1))  # NaN compares false: counted too

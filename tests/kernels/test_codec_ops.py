@@ -18,10 +18,10 @@ NBLK = 2
 
 
 @triton.jit
-def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, levels, mids,
+def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr, levels, mids,
                   KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
                   NBLK: tl.constexpr, INV_POW: tl.constexpr):
-    t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK)
+    t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
     x = tl.load(tl.load(X + t).to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
     store_state(x, tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask,
@@ -29,9 +29,9 @@ def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, leve
 
 
 @triton.jit
-def decode_kernel(OUT, D, S, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, lut,
+def decode_kernel(OUT, D, S, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr, lut,
                   KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
-    t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK)
+    t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
     x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pbyte, s8, s4, s4mask, lut, KIND, SIGNED, NBLK)
     tl.store(tl.load(OUT + t).to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
@@ -70,7 +70,7 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
         for t in o.payload.values():
             t.fill_(0x5A if t.dtype == torch.uint8 else 7.0)
     kind = state_kind(codec)
-    cols, nbr, nblocks, prog_start, n_t, n_prog = tables([x.shape for x in xs])
+    cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = tables([x.shape for x in xs])
     dev = torch.device(DEVICE)
     data_key = "data" if kind == 1 else "codes"
     D = launch.pointer_table([o.payload[data_key] for o in outs], dev)
@@ -78,7 +78,7 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
     X = launch.pointer_table(xs, dev)
     levels, mids, lut = codec.tables(dev) if kind == 3 else (torch.zeros(16, device=dev),) * 3
     signed = not nonnegative
-    encode_kernel[(n_prog,)](X, D, S, launch.device_table(keys, dev), cols, nbr, nblocks, prog_start, n_t, levels, mids,
+    encode_kernel[(n_prog,)](X, D, S, launch.device_table(keys, dev), cols, nbr, nblocks, prog_start, n_t, tpow2, levels, mids,
                              KIND=kind, SIGNED=signed, SR=codec.stochastic_rounding,
                              N_LEVELS=len(levels) if kind == 3 else 2, NBLK=NBLK,
                              INV_POW=1.0 / codec.effective_power if kind == 3 else 0.5)
@@ -86,7 +86,7 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
         for name in ref.payload:  # bit-identical (NaN counts as equal to NaN)
             torch.testing.assert_close(out.payload[name], ref.payload[name], rtol=0, atol=0, equal_nan=True)
     decoded = [torch.full_like(x, 123.0) for x in xs]
-    decode_kernel[(n_prog,)](launch.pointer_table(decoded, dev), D, S, cols, nbr, nblocks, prog_start, n_t, lut,
+    decode_kernel[(n_prog,)](launch.pointer_table(decoded, dev), D, S, cols, nbr, nblocks, prog_start, n_t, tpow2, lut,
                              KIND=kind, SIGNED=signed, NBLK=NBLK)
     for ref, got in zip(refs, decoded):
         torch.testing.assert_close(got, ref.decode(), rtol=0, atol=0, equal_nan=True)
