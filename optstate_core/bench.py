@@ -51,6 +51,13 @@ def _wrapped(preset: str, **options):
     return build
 
 
+def _wrapped_policy(make, **options):
+    def build(params):
+        from .presets import wrap
+        return wrap(torch.optim.AdamW(params, fused=params[0].is_cuda or None), make(), **options)
+    return build
+
+
 def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict[str, Config]:
     fused = device.type == "cuda"
     out = {
@@ -59,6 +66,8 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
         "optstate fp32": Config("fp32", _wrapped("fp32")),
         "optstate bf16": Config("bf16", _wrapped("bf16")),
         "optstate int8": Config("int8", _wrapped("8bit")),
+        "optstate int8, nearest rounding": Config("int8_nearest", _wrapped_policy(
+            lambda: __import__("optstate_core").make_policy("8bit", momentum_codec="int8", variance_codec="int8"))),
         "optstate 4bit": Config("4bit", _wrapped("4bit")),
         "optstate int8 offloaded": Config("int8_offload", _wrapped("8bit", offload=True), offloaded=True),
         "optstate fp32 offloaded": Config("fp32_offload", _wrapped("fp32", offload=True), offloaded=True),

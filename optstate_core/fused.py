@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .codecs import BF16Codec, EncodedTensor, FP32Codec, Int4Codec, Int8Codec
-from .codecs.rounding import state_seed, stream_key
+from .codecs.rounding import state_seed, step_mix
 from .kernels import interpreting, triton_error
 from .dtensor import agree_on_flags, any_distributed, is_dtensor, like_param, local
 from .store import allocate_many
@@ -377,13 +377,9 @@ class FusedPath:
         cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk, device)
         P = launch.pointer_table(params, device)
         G = launch.pointer_table(bucket.grad_list(), device)
-        sr = any(c.stochastic_rounding for c in plan["codecs"]) or self.stochastic_param_rounding
-        if sr:  # per-step stream keys of the counter hash: m, v, vmax, param
-            names = (list(plan["keys"]) + [plan["keys"][-1]] * 3)[:3] + ["param"]
-            KEYS = launch.device_table([stream_key(state_seed(engine.seed, i, name), engine.step_count)
-                                        for i in bucket.indices for name in names], device)
-        else:
-            KEYS = launch.cached_table([0] * (4 * n), device)
+        # counter-hash seeds of m, v, vmax and the parameter; the kernel mixes in the step
+        SEEDS = launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device)
+        step_mix_value = step_mix(engine.step_count)
         BASE = launch.cached_table(bucket.bases, device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
         if check and flags is None:
@@ -410,7 +406,7 @@ class FusedPath:
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, KEYS, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, beta1, beta2, math.log(beta1) if beta1 > 0 else -1e30,
                 math.log(beta2) if beta2 > 0 else -1e30, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
@@ -425,7 +421,7 @@ class FusedPath:
                 self._advance_steps(bucket, flags if check else None)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, flags, KEYS, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, M, MS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), NESTEROV=bool(group["nesterov"]),
@@ -433,6 +429,18 @@ class FusedPath:
         bucket.first = False if advance else bucket.first
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1
+
+    def _seeds(self, indices, keys):
+        """Counter-hash seeds per (parameter index, state), computed once."""
+        names = (list(keys) + [keys[-1]] * 3)[:3] + ["param"]
+        cache = self.__dict__.setdefault("_seed_cache", {})
+        out = []
+        for i in indices:
+            for name in names:
+                if (i, name) not in cache:
+                    cache[(i, name)] = state_seed(self.engine.seed, i, name)
+                out.append(cache[(i, name)])
+        return out
 
     @staticmethod
     def _inv_power(codec) -> float:

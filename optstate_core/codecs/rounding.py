@@ -35,9 +35,14 @@ def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def step_mix(step: int) -> int:
+    """The step's contribution to every stream key (the kernels receive this one number)."""
+    return mix32(step + 0x9E3779B9)
+
+
 def stream_key(seed: int, step: int) -> int:
     """The per-(state, step) key that every element index is mixed with."""
-    return mix32((seed & MASK32) ^ mix32(step + 0x9E3779B9))
+    return mix32((seed & MASK32) ^ step_mix(step))
 
 
 def state_seed(base_seed: int, param_index: int, state_key: str) -> int:

@@ -11,7 +11,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 import triton
 import triton.language as tl
 
-from .codec_ops import load_state, random_bits, round_to_bf16, store_state
+from .codec_ops import load_state, mix32, random_bits, round_to_bf16, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
@@ -30,11 +30,17 @@ def param_pointer(addr, P_KIND: tl.constexpr):
 
 
 @triton.jit
-def store_param(p, p_ptr, elem, sr_idx, mask, key_ptr, P_KIND: tl.constexpr, P_SR: tl.constexpr):
+def state_key(SEEDS, i, step_mix):
+    """The stream key of state ``i`` this step: mix32(seed ^ step_mix) (codecs/rounding.py)."""
+    return mix32(tl.load(SEEDS + i).to(tl.uint32) ^ step_mix.to(tl.uint32))
+
+
+@triton.jit
+def store_param(p, p_ptr, elem, sr_idx, mask, key, P_KIND: tl.constexpr, P_SR: tl.constexpr):
     """Store updated fp32 values into the parameter's dtype (bf16: nearest-even or stochastic)."""
     if P_KIND == P_BF16:
         if P_SR:
-            rb = random_bits(tl.load(key_ptr).to(tl.uint32), sr_idx)
+            rb = random_bits(key, sr_idx)
         else:
             rb = 0
         p = round_to_bf16(p, rb, P_SR)
@@ -122,7 +128,7 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
@@ -192,18 +198,18 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, KEYS, BASE,
         sr_idx = elem.to(tl.int64) + tl.load(BASE + t)
     else:
         sr_idx = elem
-    m_key = tl.load(KEYS + 4 * t).to(tl.uint32)
-    v_key = tl.load(KEYS + 4 * t + 1).to(tl.uint32)
+    m_key = state_key(SEEDS, 4 * t, step_mix)
+    v_key = state_key(SEEDS, 4 * t + 1, step_mix)
     store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, sr_idx, m_levels, m_mids,
                 M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
     store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, sr_idx, v_levels, v_mids,
                 V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
     if AMSGRAD:
-        vm_key = tl.load(KEYS + 4 * t + 2).to(tl.uint32)
+        vm_key = state_key(SEEDS, 4 * t + 2, step_mix)
         store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, vm_key, sr_idx, v_levels,
                     v_mids,
                     V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
-    store_param(p, p_ptr, elem, sr_idx, mask, KEYS + 4 * t + 3, P_KIND, P_SR)
+    store_param(p, p_ptr, elem, sr_idx, mask, state_key(SEEDS, 4 * t + 3, step_mix), P_KIND, P_SR)
 
 
 @triton.jit

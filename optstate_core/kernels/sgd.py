@@ -5,12 +5,12 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import param_pointer, program_tile, store_param, tile_offsets
+from .adam import param_pointer, program_tile, state_key, store_param, tile_offsets
 from .codec_ops import load_state, store_state
 
 
 @triton.jit
-def sgd_kernel(P, G, M, MS, FLAGS, KEYS, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
+def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                M_INV_POW: tl.constexpr,
@@ -47,6 +47,6 @@ def sgd_kernel(P, G, M, MS, FLAGS, KEYS, BASE, COLS, NBR, NBLOCKS, PROG_START, N
         sr_idx = elem.to(tl.int64) + tl.load(BASE + t)
     else:
         sr_idx = elem
-    store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, tl.load(KEYS + 4 * t).to(tl.uint32),
+    store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, state_key(SEEDS, 4 * t, step_mix),
                 sr_idx, m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
-    store_param(p, p_ptr, elem, elem, mask, KEYS + 4 * t + 3, P_KIND, False)
+    store_param(p, p_ptr, elem, elem, mask, 0, P_KIND, False)
