@@ -64,6 +64,18 @@ def like_param(param, local_tensor: torch.Tensor) -> "DTensor":
                               run_check=False, shape=param.shape, stride=param.stride())
 
 
+def global_flat_offset(param) -> int:
+    """Index, in the global tensor, of the local shard's first element (0 for plain tensors), so
+    stochastic rounding draws the same counters however the tensor is sharded."""
+    if not is_dtensor(param):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    strides = [math.prod(param.shape[i + 1:]) for i in range(len(param.shape))]
+    return sum(o * s for o, s in zip(offset, strides))
+
+
 def any_distributed(params) -> bool:
     """Whether some parameters are DTensors in an initialized process group."""
     return any(is_dtensor(p) for p in params) and torch.distributed.is_available() \

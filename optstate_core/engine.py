@@ -27,7 +27,8 @@ import torch
 
 from .codecs import EncodedTensor, FP32Codec
 from .codecs.rounding import RoundingContext, state_seed, stream_key
-from .dtensor import agree_on_flags, any_distributed, is_dtensor, like_param, local, slab_placements
+from .dtensor import (agree_on_flags, any_distributed, global_flat_offset, is_dtensor, like_param, local,
+                      slab_placements)
 from .fused import FusedPath
 from .policy import ParamInfo, Policy
 from .store import ParamState, StateMap, allocate, allocate_many, copy_scalar, is_scalar_state, matches
@@ -100,7 +101,7 @@ class Work:
     DTensor); ``param`` and ``grad`` are the local tensors the math runs on."""
 
     __slots__ = ("key", "param", "grad", "info", "state", "tiles_left", "dest", "scalars", "new_scalars", "rows",
-                 "cols")
+                 "cols", "offset")
 
     def __init__(self, param, info, state):
         self.key = param
@@ -109,6 +110,7 @@ class Work:
         self.info = info
         self.state: ParamState = state
         self.rows, self.cols = _slab(self.param.shape)
+        self.offset = global_flat_offset(param)  # first local element's index in the global tensor
         self.tiles_left = 0
         self.dest: Dict[str, object] = {}
         self.scalars = {k: copy_scalar(v) for k, v in state.items() if is_scalar_state(v)}
@@ -629,7 +631,7 @@ class Engine:
         rounding = None
         if codec.stochastic_rounding:
             seed = state_seed(self.seed, tile.work.info.index, key)
-            rounding = RoundingContext(stream_key(seed, step), tile.start, tile.work.cols)
+            rounding = RoundingContext(stream_key(seed, step), tile.work.offset + tile.start, tile.work.cols)
         x = value.reshape(tile.slab_shape)
         if dest.host_tier and x.device.type != "cpu":
             staged = {k: torch.empty_like(v, device=x.device) for k, v in view.items()}

@@ -395,7 +395,9 @@ class FusedPath:
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
         M, MS = bucket.tables(0, device)
-        common = dict(NBLK=nblk, ALIGNED=aligned, num_warps=warps, CHECK_FINITE=check, LR_TENSOR=lr_tensor,
+        idx32 = all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols))
+        common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
+                      LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
@@ -511,7 +513,7 @@ class Bucket:
         self.shapes = [tuple(p.shape) for p in self.params]
         self.rows = [w.rows for w in works]
         self.cols = [w.cols for w in works]
-        self.bases = [0] * len(works)  # first element of each item within its parameter (pieces)
+        self.bases = [w.offset for w in works]  # index of each item's first element in its global tensor
         self.grads = None  # None: the parameters' own .grad
         self.storages = storages
         self.plan = plan
@@ -542,7 +544,7 @@ class Bucket:
         sub.shapes = [(r1 - r0, self.cols[i]) for i, r0, r1 in pieces]
         sub.rows = [r1 - r0 for _, r0, r1 in pieces]
         sub.cols = [self.cols[i] for i, _, _ in pieces]
-        sub.bases = [r0 * self.cols[i] for i, r0, _ in pieces]
+        sub.bases = [self.bases[i] + r0 * self.cols[i] for i, r0, _ in pieces]
         sub.group_index, sub.plan, sub.first, sub.aligned = self.group_index, self.plan, self.first, self.aligned
         sub.storages = storages
         sub._tables = {}

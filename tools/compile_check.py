@@ -55,7 +55,7 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
                                                                 [False, True]):
     if not args.all and (first or not check) and (mk, vk) != (2, 2):
         continue
-    const = dict(TPOW2=256, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=False, V_SR=mk == 3, P_SR=False, M_LEVELS=15, V_LEVELS=16,
+    const = dict(TPOW2=256, IDX32=aligned, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=mk == 2, V_SR=mk in (2, 3), P_SR=False, M_LEVELS=15, V_LEVELS=16,
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
                  NBLK=4, ALIGNED=aligned, FAST_MATH=fast)

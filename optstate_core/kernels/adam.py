@@ -30,6 +30,18 @@ def param_pointer(addr, P_KIND: tl.constexpr):
 
 
 @triton.jit
+def sr_indices(elem, BASE, t, SR: tl.constexpr, IDX32: tl.constexpr):
+    """Global element indices for stochastic rounding (uint32 when they all fit in 32 bits)."""
+    if not SR:
+        out = elem
+    elif IDX32:
+        out = elem.to(tl.uint32) + tl.load(BASE + t).to(tl.uint32)
+    else:
+        out = elem.to(tl.int64) + tl.load(BASE + t)
+    return out
+
+
+@triton.jit
 def state_key(SEEDS, i, step_mix):
     """The stream key of state ``i`` this step: mix32(seed ^ step_mix) (codecs/rounding.py)."""
     return mix32(tl.load(SEEDS + i).to(tl.uint32) ^ step_mix.to(tl.uint32))
@@ -137,7 +149,8 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
                 M_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, M_INV_POW: tl.constexpr, V_INV_POW: tl.constexpr,
                 AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
-                NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False):
+                NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
+                IDX32: tl.constexpr = False):
     pid = tl.program_id(0)
     t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     if CHECK_FINITE:
@@ -194,10 +207,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
     else:  # correctly rounded, as torch
         p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
 
-    if M_SR or V_SR or P_SR:
-        sr_idx = elem.to(tl.int64) + tl.load(BASE + t)
-    else:
-        sr_idx = elem
+    sr_idx = sr_indices(elem, BASE, t, M_SR or V_SR or P_SR, IDX32)
     m_key = state_key(SEEDS, 4 * t, step_mix)
     v_key = state_key(SEEDS, 4 * t + 1, step_mix)
     store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, sr_idx, m_levels, m_mids,

@@ -31,11 +31,14 @@ def mix32(x):
 
 @triton.jit
 def random_bits(key, idx):
-    """32 random bits (uint32) for element indices, keyed by a uint32 stream key."""
-    idx = idx.to(tl.int64)
-    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
-    hi = mix32((idx >> 32).to(tl.uint32))
-    return mix32((lo ^ key) + hi)
+    """32 random bits (uint32) for element indices, keyed by a uint32 stream key. uint32
+    indices (< 2**32) skip the high word, whose mix is 0 (the same bits as the int64 form)."""
+    if idx.dtype == tl.uint32:
+        out = mix32(idx ^ key)
+    else:
+        wide = idx.to(tl.int64)
+        out = mix32(((wide & 0xFFFFFFFF).to(tl.uint32) ^ key) + mix32((wide >> 32).to(tl.uint32)))
+    return out
 
 
 @triton.jit

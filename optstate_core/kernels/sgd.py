@@ -5,7 +5,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import param_pointer, program_tile, state_key, store_param, tile_offsets
+from .adam import param_pointer, program_tile, sr_indices, state_key, store_param, tile_offsets
 from .codec_ops import load_state, store_state
 
 
@@ -15,7 +15,8 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                M_INV_POW: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
-               LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
+               LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False,
+               IDX32: tl.constexpr = False):
     pid = tl.program_id(0)
     t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     if CHECK_FINITE:
@@ -43,10 +44,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
     else:
         g = buf
     p = p - lr * g
-    if M_SR:
-        sr_idx = elem.to(tl.int64) + tl.load(BASE + t)
-    else:
-        sr_idx = elem
+    sr_idx = sr_indices(elem, BASE, t, M_SR, IDX32)
     store_state(buf, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, state_key(SEEDS, 4 * t, step_mix),
                 sr_idx, m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
     store_param(p, p_ptr, elem, elem, mask, 0, P_KIND, False)
