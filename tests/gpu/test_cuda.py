@@ -35,8 +35,9 @@ def test_fused_step_is_automatic_and_never_syncs(preset):
 
 
 def test_fused_step_in_a_cuda_graph():
-    ps, opt = setup("8bit", lr=torch.tensor(1e-3, device="cuda"))
-    twin_ps, twin = setup("8bit", lr=torch.tensor(1e-3, device="cuda"))
+    # nearest rounding: a captured graph replays the captured step's stochastic-rounding stream
+    ps, opt = setup("4bit", lr=torch.tensor(1e-3, device="cuda"))
+    twin_ps, twin = setup("4bit", lr=torch.tensor(1e-3, device="cuda"))
     for o in (opt, twin):
         for _ in range(2):
             o.step()
