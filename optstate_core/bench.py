@@ -97,7 +97,8 @@ def _third_party(device) -> Dict[str, Config]:
     return out
 
 
-def _state_bytes(opt) -> int:
+def state_bytes(opt) -> int:
+    """GPU bytes an optimizer holds between steps (memory_report() for optstate)."""
     if hasattr(opt, "memory_report"):
         return opt.memory_report()["device_bytes"]
     total = 0
@@ -109,6 +110,9 @@ def _state_bytes(opt) -> int:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a state tensor on this rank (a DTensor's local shard, a subclass's inner tensors)."""
+    if hasattr(t, "_local_tensor"):
+        t = t._local_tensor
     inner = getattr(t, "__tensor_flatten__", None)
     if inner is not None:  # tensor subclasses (torchao): count their inner tensors
         names, _ = t.__tensor_flatten__()
@@ -156,7 +160,7 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
     for _ in range(warmup):
         opt.step()
     _sync(device)
-    held = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else _state_bytes(opt)
+    held = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else state_bytes(opt)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)

@@ -15,19 +15,8 @@ import torch
 import torch.distributed as dist
 
 import optstate_core as oc
+from optstate_core.bench import state_bytes
 from optstate_core.e2e import build_model
-
-
-def state_bytes(opt) -> int:
-    if hasattr(opt, "memory_report"):
-        return opt.memory_report()["device_bytes"]
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                t = v._local_tensor if hasattr(v, "_local_tensor") else v
-                total += t.numel() * t.element_size()
-    return total
 
 
 def main():

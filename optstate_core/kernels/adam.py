@@ -11,7 +11,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 import triton
 import triton.language as tl
 
-from .codec_ops import load_state, mix32, random_bits, round_to_bf16, store_state
+from .codec_ops import bf16_grid, load_state, mix32, random_bits, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
@@ -48,14 +48,20 @@ def state_key(SEEDS, i, step_mix):
 
 
 @triton.jit
+def load_param_grad(P, G, t, elem, mask, P_KIND: tl.constexpr):
+    """The parameter's pointer and the tile of parameter and gradient values, as float32."""
+    p_ptr = param_pointer(tl.load(P + t), P_KIND)
+    g_ptr = param_pointer(tl.load(G + t), P_KIND)
+    p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    return p_ptr, p, g
+
+
+@triton.jit
 def store_param(p, p_ptr, elem, sr_idx, mask, key, P_KIND: tl.constexpr, P_SR: tl.constexpr):
     """Store updated fp32 values into the parameter's dtype (bf16: nearest-even or stochastic)."""
     if P_KIND == P_BF16:
-        if P_SR:
-            rb = random_bits(key, sr_idx)
-        else:
-            rb = 0
-        p = round_to_bf16(p, rb, P_SR)
+        p = bf16_grid(p, key, sr_idx, P_SR)
     tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
@@ -158,10 +164,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
             return
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
 
-    p_ptr = param_pointer(tl.load(P + t), P_KIND)
-    g_ptr = param_pointer(tl.load(G + t), P_KIND)
-    p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
 
     if LR_TENSOR:
         lr = tl.load(lr_ptr)

@@ -61,6 +61,16 @@ def round_to_bf16(x, rbits, SR: tl.constexpr):
 
 
 @triton.jit
+def bf16_grid(x, key, sr_idx, SR: tl.constexpr):
+    """``x`` rounded onto the bf16 grid: nearest-even, or stochastically with the counter hash."""
+    if SR:
+        rb = random_bits(key, sr_idx)
+    else:
+        rb = 0
+    return round_to_bf16(x, rb, SR)
+
+
+@triton.jit
 def finite_abs(x, mask):
     """|x| where finite (NaN fails the comparison too), else 0."""
     a = tl.abs(x)
@@ -204,12 +214,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
     if KIND == FP32:
         tl.store(aligned(data_addr, tl.float32) + elem, x, mask=mask)
     elif KIND == BF16:
-        if SR:
-            rb = random_bits(key, sr_idx)
-        else:
-            rb = 0
-        x = round_to_bf16(x, rb, SR)
-        tl.store(aligned(data_addr, tl.bfloat16) + elem, x.to(tl.bfloat16), mask=mask)
+        tl.store(aligned(data_addr, tl.bfloat16) + elem, bf16_grid(x, key, sr_idx, SR).to(tl.bfloat16), mask=mask)
     elif KIND == INT8:
         absmax = tl.max(finite_abs(x, mask), axis=1)
         e = pow2_exponent(absmax)

@@ -5,7 +5,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import param_pointer, program_tile, sr_indices, state_key, store_param, tile_offsets
+from .adam import load_param_grad, program_tile, sr_indices, state_key, store_param, tile_offsets
 from .codec_ops import load_state, store_state
 
 
@@ -23,10 +23,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
         if tl.load(FLAGS + t) != 0:
             return
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
-    p_ptr = param_pointer(tl.load(P + t), P_KIND)
-    g_ptr = param_pointer(tl.load(G + t), P_KIND)
-    p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
     if MAXIMIZE:
