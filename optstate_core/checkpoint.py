@@ -73,14 +73,6 @@ def unpack_value(value, what: str, param=None):
     return value
 
 
-def _group_ids(groups):
-    ids, index = [], 0
-    for g in groups:
-        ids.append(list(range(index, index + len(g["params"]))))
-        index += len(g["params"])
-    return ids
-
-
 def build_state_dict(opt: "VirtualOptimizer") -> dict:
     for hook in opt._optimizer_state_dict_pre_hooks.values():
         hook(opt)
@@ -156,7 +148,7 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
     groups = opt.param_groups
     saved_groups = state_dict["param_groups"]
     meta = state_dict.get(META_KEY)
-    if meta is None and saved_groups_meta(state_dict):
+    if meta is None:
         meta = saved_groups_meta(state_dict)
     if meta is not None and meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"state_dict: format_version {meta.get('format_version')} is newer than this "

@@ -21,8 +21,6 @@ CodecSpec = Union[str, Codec, None]
 SIGNED_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "sum", "acc_delta"})
 
-TIERS = ("device", "host")
-
 
 @dataclass(frozen=True)
 class ParamInfo:

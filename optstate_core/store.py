@@ -8,14 +8,11 @@ holds optimizer state, so the mapping is also what checkpoints and frameworks se
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
 from .codecs import Codec, EncodedTensor
-from .transfer import Transfers
-
-StateValue = Union[torch.Tensor, EncodedTensor, int, float]
 
 
 class ParamState(dict):
@@ -110,14 +107,5 @@ def state_nbytes(value) -> int:
     return 0
 
 
-def value_tier(value) -> Optional[str]:
-    if isinstance(value, EncodedTensor):
-        return "host" if value.host_tier else "device"
-    if isinstance(value, torch.Tensor):
-        return "device"
-    return None
-
-
 __all__ = ["ParamState", "StateMap", "is_scalar_state", "copy_scalar", "matches", "allocate", "allocate_many",
-           "state_nbytes",
-           "value_tier", "Transfers"]
+           "state_nbytes"]

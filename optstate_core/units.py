@@ -24,10 +24,3 @@ def parse_bytes(value, arg: str) -> int:
         raise ValueError(f"{arg} must be positive, got {value!r}")
     return n
 
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"

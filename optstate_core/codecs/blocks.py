@@ -13,11 +13,6 @@ def to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(rows, -1, block)
 
 
-def from_blocks(xb: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of :func:`to_blocks` (drops the padding)."""
-    return xb.reshape(xb.shape[0], -1)[:, :cols]
-
-
 def finite_absmax(xb: torch.Tensor) -> torch.Tensor:
     """Per-block max of |x| over finite values only (NaN/inf never set a block's scale)."""
     a = xb.abs()
