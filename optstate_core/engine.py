@@ -241,9 +241,16 @@ class Engine:
         for gi, group in enumerate(self.inner.param_groups):
             names = group.get("param_names")
             for j, p in enumerate(group["params"]):
-                name = names[j] if names and j < len(names) else self.names.get(id(p))
+                name = names[j] if names and j < len(names) else self.name_of(p)
                 yield p, ParamInfo(index, gi, tuple(p.shape), p.dtype, name)
                 index += 1
+
+    def name_of(self, p) -> Optional[str]:
+        """``wrap(named_parameters=...)`` first, then names the policy learned (``bind_names``)."""
+        name = self.names.get(id(p))
+        if name is None and hasattr(self.policy, "name_of"):
+            name = self.policy.name_of(p)
+        return name
 
     def collect(self) -> List[Work]:
         """Validate every gradient, then return the work of this step (nothing changed yet)."""

@@ -118,9 +118,6 @@ class VirtualOptimizer(torch.optim.Optimizer):
                 p.is_cuda for g in optimizer.param_groups for p in g["params"]):
             chunk_size = chunk_size_on_cuda
         names = named_parameter_names(named_parameters) if named_parameters is not None else {}
-        if names and hasattr(policy, "bind_names"):
-            policy.bind_names((n, p) for g in optimizer.param_groups for p in g["params"]
-                              for n in [names.get(id(p))] if n is not None)
 
         engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
                         initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,

@@ -57,6 +57,24 @@ def test_param_names_from_groups():
     assert isinstance(opt.state[model[2].weight]["exp_avg"], oc.EncodedTensor)
 
 
+def test_rules_use_names_the_policy_learned():
+    """``WarmupPolicy(named_parameters=...)`` and ``bind_names`` name parameters for ``rules``
+    without ``wrap(named_parameters=...)``."""
+    model = mlp(width=128)
+    policy = oc.WarmupPolicy(warmup_steps=0, rules={r"^0\.weight$": "fp32"}, named_parameters=model)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters()), policy)
+    late = oc.WarmupPolicy(warmup_steps=0, rules={r"^2\.weight$": "fp32"})
+    other = mlp(width=128)
+    opt2 = oc.wrap(torch.optim.AdamW(other.parameters()), late)
+    late.bind_names(other.named_parameters())
+    train_steps(model, opt, 1)
+    train_steps(other, opt2, 1)
+    assert isinstance(opt.state[model[0].weight]["exp_avg"], torch.Tensor)
+    assert isinstance(opt.state[model[2].weight]["exp_avg"], oc.EncodedTensor)
+    assert isinstance(opt2.state[other[2].weight]["exp_avg"], torch.Tensor)
+    assert isinstance(opt2.state[other[0].weight]["exp_avg"], oc.EncodedTensor)
+
+
 def test_adaptive_switches_on_plateau_from_closure():
     model = mlp(width=128)
     policy = oc.AdaptiveWarmupPolicy(warmup_steps=1000, patience=3, tol=0.5, variance_codec="int8")
