@@ -1,3 +1,4 @@
-from .cli import main
+"""``python -m optstate_core``: the command-line apps' entry point."""
+from .apps.cli import main
 
 raise SystemExit(main())

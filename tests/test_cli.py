@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from optstate_core import cli, demo
+from optstate_core.apps import cli, demo
 
 ROOT = Path(__file__).resolve().parents[1]
 # the columns the issue asks for, in order
@@ -166,7 +166,7 @@ def test_bench_without_convergence_runs_the_microbenchmark(capsys):
 
 
 def test_bench_dispatch_and_steps_defaults(monkeypatch):
-    from optstate_core import bench, convergence
+    from optstate_core.apps import bench, convergence
     seen = []
     monkeypatch.setattr(bench, "run", lambda args: seen.append(("bench", args.steps)) or 0)
     monkeypatch.setattr(convergence, "run", lambda args: seen.append(("convergence", args.steps)) or 0)
@@ -204,7 +204,7 @@ def test_python_dash_m():
 
 def test_console_script_is_declared():
     text = (ROOT / "pyproject.toml").read_text()
-    assert 'optstate = "optstate_core.cli:main"' in text
+    assert 'optstate = "optstate_core.apps.cli:main"' in text
 
 
 def test_demo_defaults_are_what_the_help_says():

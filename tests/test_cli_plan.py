@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core import cli, plan
+from optstate_core.apps import cli, plan
 
 # Llama-style, grouped-query attention (2 KV heads of 16), untied lm_head.
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import optstate_core as oc
-from optstate_core.bench import state_bytes
-from optstate_core.e2e import build_model
+from optstate_core.apps.measure import state_bytes
+from optstate_core.apps.e2e import build_model
 
 
 def main():

@@ -8,7 +8,7 @@ import time
 import torch
 
 import optstate_core as oc
-from optstate_core.bench import llama_shapes
+from optstate_core.apps.bench import llama_shapes
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--preset", default="8bit")

@@ -176,10 +176,10 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
                 dtype: torch.dtype = torch.float32) -> StateBytes:
     """Bytes of optimizer state between steps: the preset's policy picks codec and tier per
     (parameter, state key); ``preset=None`` is the unwrapped torch optimizer (raw tensors)."""
-    from .codecs import FP32Codec
-    from .codecs.base import slab_shape
-    from .policy import ParamInfo
-    from .presets import make_policy
+    from ..codecs import FP32Codec
+    from ..codecs.base import slab_shape
+    from ..policy import ParamInfo
+    from ..presets import make_policy
     keys = OPTIMIZER_STATES[optimizer]
     policy = make_policy(preset) if preset is not None else None
     out = StateBytes()
@@ -227,7 +227,7 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
               source: str = "") -> Plan:
     """Per preset (and for the unwrapped optimizer first): state on GPU and host, the GPU total
     (weights + grads + state on GPU + activations) and whether it fits in ``gpu_memory``."""
-    from .metrics import bits_per_param
+    from ..metrics import bits_per_param
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     for arg, value in (("--weights-dtype", weights_dtype), ("--grads-dtype", grads_dtype or weights_dtype)):
@@ -276,7 +276,7 @@ def format_plan(plan: Plan) -> str:
 
 # -- command line ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .presets import PRESETS
+    from ..presets import PRESETS
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", help="parameter count, e.g. 125M, 7B, 6.7e9 (approximated as large "
                      "matrices with rows of 4096; prefer --config for exact numbers)")
@@ -301,7 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args) -> Plan:
     from .demo import parse_presets
-    from .units import parse_bytes
+    from ..units import parse_bytes
     gpu = parse_bytes(args.gpu_memory, "--gpu-memory")
     activations = 0 if str(args.activations).strip() in ("0", "") else parse_bytes(args.activations, "--activations")
     if args.config:

@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .measure import device_name, pinned_bandwidth, state_bytes, sync
+
 log = logging.getLogger("optstate")
 
 LLAMA_1B = dict(vocab=32000, hidden=2048, ffn=5632, layers=22)
@@ -45,7 +47,7 @@ class Config:
 
 def _wrapped(preset: str, **options):
     def build(params):
-        from .presets import make_policy, wrap
+        from ..presets import make_policy, wrap
         inner = torch.optim.AdamW(params, fused=params[0].is_cuda or None)
         return wrap(inner, make_policy(preset), **options)
     return build
@@ -53,7 +55,7 @@ def _wrapped(preset: str, **options):
 
 def _wrapped_policy(make, **options):
     def build(params):
-        from .presets import wrap
+        from ..presets import wrap
         return wrap(torch.optim.AdamW(params, fused=params[0].is_cuda or None), make(), **options)
     return build
 
@@ -97,52 +99,6 @@ def _third_party(device) -> Dict[str, Config]:
     return out
 
 
-def state_bytes(opt) -> int:
-    """GPU bytes an optimizer holds between steps (memory_report() for optstate)."""
-    if hasattr(opt, "memory_report"):
-        return opt.memory_report()["device_bytes"]
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                total += _tensor_bytes(v)
-    return total
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of a state tensor on this rank (a DTensor's local shard, a subclass's inner tensors)."""
-    if hasattr(t, "_local_tensor"):
-        t = t._local_tensor
-    inner = getattr(t, "__tensor_flatten__", None)
-    if inner is not None:  # tensor subclasses (torchao): count their inner tensors
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def pinned_bandwidth(device, nbytes: int = 2**28) -> float:
-    """Measured pinned host<->device bandwidth (bytes/s, mean of both directions)."""
-    if device.type != "cuda":
-        return float("nan")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for src, dst in ((host, dev), (dev, host)):
-        dst.copy_(src, non_blocking=True)
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src, non_blocking=True)
-        _sync(device)
-        times.append((time.perf_counter() - t) / 5)
-    return nbytes / (sum(times) / 2)
-
-
 def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 0) -> dict:
     gc.collect()  # the previous configuration's memory must not be freed inside this one's window
     if device.type == "cuda":
@@ -159,7 +115,7 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     for _ in range(warmup):
         opt.step()
-    _sync(device)
+    sync(device)
     held = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else state_bytes(opt)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -222,7 +178,7 @@ def run(args) -> int:
         table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
     bandwidth = pinned_bandwidth(device)
     rows = []
-    from . import fused
+    from .. import fused
     shapes_to_try = [(fused.NBLK, fused.NUM_WARPS)]
     if args.tune:
         shapes_to_try = [tuple(int(x) for x in item.split("x")) for item in args.tune.split(",")]
@@ -247,7 +203,7 @@ def run(args) -> int:
     if args.json:
         import json
         with open(args.json, "w") as f:
-            json.dump({"device": _device_name(device), "torch": torch.__version__, "bandwidth": bandwidth,
+            json.dump({"device": device_name(device), "torch": torch.__version__, "bandwidth": bandwidth,
                        "rows": [{"config": n, **(r or {})} for n, _, r in rows]}, f, indent=1)
     return 0
 
@@ -255,7 +211,7 @@ def run(args) -> int:
 def print_table(rows, device, bandwidth) -> None:
     ref = next((r for _, c, r in rows if c.name == "adamw" and r), None)
     n = next((r["n_params"] for _, _, r in rows if r), 0)
-    print(f"\noptimizer step, {n / 1e9:.3f}B fp32 params, device {_device_name(device)}, "
+    print(f"\noptimizer step, {n / 1e9:.3f}B fp32 params, device {device_name(device)}, "
           f"torch {torch.__version__}")
     head = f"| {'configuration':<30} | state bits/param | encoded bits/param | step ms | " \
            f"x {'fused' if device.type == 'cuda' else 'foreach'} | peak extra MB | PCIe floor ms |"
@@ -276,12 +232,6 @@ def print_table(rows, device, bandwidth) -> None:
     if bandwidth == bandwidth:
         print(f"pinned host<->device bandwidth: {bandwidth / 1e9:.1f} GB/s; PCIe floor of an offloaded "
               f"configuration = encoded state S / that bandwidth (S goes up while the previous chunks come back)")
-
-
-def _device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
 
 
 def main(argv=None) -> int:

@@ -11,226 +11,32 @@ only in the optimizer. Outputs: ``metrics.csv`` (one row per step and run), ``de
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import gc
 import logging
 import math
 import os
 import statistics
-import sysconfig
 import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+# the demo's parts, re-exported: tests and scripts reach them as demo.<name>
+from .corpus import Corpus, default_text_dir, is_held_out, load_corpus, train_offsets, val_offsets, windows
+from .demo_config import DemoConfig, RunResult
+from .report import CSV_COLUMNS, format_summary, gap_percent, plot, summary_rows, write_csv
+from .tinylm import Block, TinyLM
+
+__all__ = ["Block", "CSV_COLUMNS", "Corpus", "DemoConfig", "RunResult", "TinyLM", "default_text_dir", "format_summary",
+           "gap_percent", "is_held_out", "load_corpus", "plot", "summary_rows", "train_offsets", "val_offsets",
+           "windows", "write_csv", "train_run", "train_all", "parse_presets", "config_from_args", "run"]
 
 log = logging.getLogger("optstate.demo")
 
-#: metrics.csv columns, in order
-CSV_COLUMNS = ("run", "step", "loss", "val_loss", "step_time_ms", "tensor_mem_mb", "materialize_ms",
-               "inner_step_ms", "commit_ms", "overhead_ms", "cpu_mem_mb", "gpu_mem_mb", "gpu_peak_mb",
-               "compression_active")
 ADAMW = "adamw"
-TEXT_SUFFIXES = (".py",)
-HOLDOUT_EVERY = 10  # about one file in ten is held out (chosen by a hash of its name)
-
-
-@dataclass
-class DemoConfig:
-    """One training run's settings; the defaults finish the demo in ~2 minutes on 2 CPU cores."""
-
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    eval_every: int = 25
-    eval_batches: int = 8
-    seed: int = 0
-    device: str = "cpu"
-    data: Optional[str] = None
-    max_bytes: int = 4_000_000
-
-    def validate(self) -> "DemoConfig":
-        for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "eval_every",
-                     "eval_batches", "max_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"--d-model ({self.d_model}) must be a multiple of --n-heads ({self.n_heads})")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
-        return self
-
-
-# -- data -----------------------------------------------------------------------------------
-@dataclass
-class Corpus:
-    train: torch.Tensor  # uint8 bytes
-    val: torch.Tensor
-    source: str
-    n_train_files: int
-    n_val_files: int
-
-
-def default_text_dir() -> Path:
-    """The standard library's source directory (where ``os.py`` lives)."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _text_files(root: Path) -> List[Path]:
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise ValueError(f"--data: {str(root)!r} is neither a file nor a directory")
-    return sorted(p for p in root.glob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-
-
-def is_held_out(path: Path) -> bool:
-    """Held-out files are chosen by a hash of the file name: stable across machines and versions."""
-    return zlib.crc32(path.name.encode()) % HOLDOUT_EVERY == 0
-
-
-def load_corpus(data: Optional[str] = None, max_bytes: int = 4_000_000) -> Corpus:
-    """Training and held-out bytes from the ``.py`` files of ``data`` (a directory or one file;
-    default: the standard library, else torch's own sources). The held-out text is whole files,
-    capped at ``max_bytes // 10``; training text is capped at ``max_bytes``."""
-    if data is not None:
-        roots = [Path(data)]
-    else:  # some Python builds ship the standard library zipped: then read torch's sources
-        roots = [default_text_dir(), Path(torch.__file__).parent]
-    files: List[Path] = []
-    for root in roots:
-        files = _text_files(root)
-        if files:
-            break
-    if not files:
-        raise ValueError(f"--data: no {'/'.join(TEXT_SUFFIXES)} files found in {', '.join(map(str, roots))}")
-    val_files = [f for f in files if is_held_out(f)]
-    train_files = [f for f in files if not is_held_out(f)]
-    if len(files) == 1:  # one file: its last tenth is the held-out text
-        raw = files[0].read_bytes()
-        cut = len(raw) - len(raw) // HOLDOUT_EVERY
-        train, val = raw[:cut][:max_bytes], raw[cut:][:max(1, max_bytes // HOLDOUT_EVERY)]
-        n_train, n_val = 1, 1
-    else:
-        if not val_files:
-            val_files, train_files = train_files[-1:], train_files[:-1]
-        if not train_files:
-            train_files, val_files = val_files[:-1], val_files[-1:]
-        train, n_train = _read_capped(train_files, max_bytes)
-        val, n_val = _read_capped(val_files, max(1, max_bytes // HOLDOUT_EVERY))
-    corpus = Corpus(torch.frombuffer(bytearray(train), dtype=torch.uint8),
-                    torch.frombuffer(bytearray(val), dtype=torch.uint8),
-                    str(files[0].parent if len(files) > 1 else files[0]), n_train, n_val)
-    log.info("text: %s (%d train files, %.2f MB; %d held-out files, %.2f MB)", corpus.source, n_train,
-             len(train) / 1e6, n_val, len(val) / 1e6)
-    return corpus
-
-
-def _read_capped(files: Sequence[Path], cap: int) -> Tuple[bytes, int]:
-    parts, total, used = [], 0, 0
-    for f in files:
-        if total >= cap:
-            break
-        raw = f.read_bytes()
-        parts.append(raw[:cap - total])
-        total += len(parts[-1])
-        used += 1
-    return b"".join(parts), used
-
-
-def train_offsets(corpus: Corpus, cfg: DemoConfig) -> torch.Tensor:
-    """Start offsets of every training window, ``[steps, batch]``: a function of the seed only."""
-    high = len(corpus.train) - cfg.seq_len - 1
-    if high < 1:
-        raise ValueError(f"--seq-len {cfg.seq_len} is longer than the training text ({len(corpus.train)} bytes)")
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    return torch.randint(0, high, (cfg.steps, cfg.batch_size), generator=g)
-
-
-def val_offsets(corpus: Corpus, cfg: DemoConfig) -> torch.Tensor:
-    """Evenly spaced held-out windows, ``[eval_batches, batch]`` (the same for every seed)."""
-    high = len(corpus.val) - cfg.seq_len - 1
-    if high < 1:
-        raise ValueError(f"--seq-len {cfg.seq_len} is longer than the held-out text ({len(corpus.val)} bytes)")
-    n = cfg.eval_batches * cfg.batch_size
-    return torch.linspace(0, high, n).long().view(cfg.eval_batches, cfg.batch_size)
-
-
-def windows(text: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[len(offsets), seq_len + 1]`` int64 byte windows."""
-    idx = offsets.view(-1, 1) + torch.arange(seq_len + 1)
-    return text[idx].long()
-
-
-# -- model ----------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention, then a 4x GELU MLP."""
-
-    def __init__(self, d_model: int, n_heads: int):
-        super().__init__()
-        self.n_heads = n_heads
-        self.ln_attn = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln_mlp = nn.LayerNorm(d_model)
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.out = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln_attn(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln_mlp(x))))
-
-
-class TinyLM(nn.Module):
-    """Byte-level causal LM: token + learned position embeddings, blocks, tied output layer."""
-
-    vocab_size = 256
-
-    def __init__(self, d_model: int, n_layers: int, n_heads: int, max_len: int):
-        super().__init__()
-        self.embed = nn.Embedding(self.vocab_size, d_model)
-        self.pos = nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-        self.ln_out = nn.LayerNorm(d_model)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "out.weight"))
-                                else 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    @classmethod
-    def from_config(cls, cfg: DemoConfig) -> "TinyLM":
-        return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx) + self.pos.weight[: idx.shape[1]]
-        for block in self.blocks:
-            h = block(h)
-        return F.linear(self.ln_out(h), self.embed.weight)
-
-    def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size), batch[:, 1:].reshape(-1))
 
 
 # -- one run --------------------------------------------------------------------------------
@@ -240,7 +46,7 @@ def run_name(preset: Optional[str]) -> str:
 
 def build_optimizer(model: nn.Module, cfg: DemoConfig, preset: Optional[str]) -> torch.optim.Optimizer:
     """AdamW (weight decay on matrices only), wrapped with ``preset`` unless it is None."""
-    from .presets import wrap
+    from ..presets import wrap
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -286,21 +92,9 @@ def evaluate(model: nn.Module, text: torch.Tensor, offsets: torch.Tensor, cfg: D
     return total / len(offsets)
 
 
-@dataclass
-class RunResult:
-    name: str
-    preset: Optional[str]
-    rows: List[dict]
-    n_params: int
-    state_bytes: int
-    bits_per_param: float
-    step_ms: float  # median training step (forward + backward + optimizer step)
-    final_val_loss: float
-
-
 def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: bool = True) -> RunResult:
     """Train one model from the config's seed with AdamW (``preset=None``) or an optstate preset."""
-    from .metrics import bits_per_param
+    from ..metrics import bits_per_param
     device = torch.device(cfg.device)
     name = run_name(preset)
     torch.manual_seed(cfg.seed)
@@ -392,99 +186,9 @@ def train_all(cfg: DemoConfig, presets: Sequence[str], corpus: Optional[Corpus] 
     return [train_run(p, cfg, corpus, progress) for p in [None, *presets]]
 
 
-# -- outputs --------------------------------------------------------------------------------
-def write_csv(results: Sequence[RunResult], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for r in results:
-            for row in r.rows:
-                writer.writerow({k: _csv_value(row[k]) for k in CSV_COLUMNS})
-
-
-def _csv_value(v):
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return v
-
-
-def gap_percent(value: float, reference: float) -> float:
-    """Relative difference to the reference, in percent."""
-    return 100.0 * (value - reference) / reference
-
-
-def summary_rows(results: Sequence[RunResult]) -> List[dict]:
-    ref = next(r for r in results if r.preset is None)
-    return [{"run": r.name, "state_mb": r.state_bytes / 2**20, "bits_per_param": r.bits_per_param,
-             "step_ms": r.step_ms, "time_ratio": r.step_ms / ref.step_ms, "val_loss": r.final_val_loss,
-             "gap_pct": gap_percent(r.final_val_loss, ref.final_val_loss)} for r in results]
-
-
-def format_summary(results: Sequence[RunResult]) -> str:
-    lines = ["| run | state MB | bits/param | step ms | x AdamW | final val loss | gap to AdamW |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for s in summary_rows(results):
-        lines.append(f"| {s['run']} | {s['state_mb']:.2f} | {s['bits_per_param']:.1f} | {s['step_ms']:.1f} | "
-                     f"{s['time_ratio']:.2f} | {s['val_loss']:.4f} | {s['gap_pct']:+.2f}% |")
-    return "\n".join(lines)
-
-
-def plot(results: Sequence[RunResult], path: Path, title: str = "") -> None:
-    """Loss curves (train, smoothed, and held-out) beside optimizer-state memory per run."""
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    summary = summary_rows(results)
-    for i, r in enumerate(results):
-        c = colors[i % len(colors)]
-        steps = [row["step"] for row in r.rows]
-        ax_loss.plot(steps, _smooth([row["loss"] for row in r.rows]), color=c, alpha=0.6, lw=1,
-                     label=f"{r.name} train")
-        val = [(row["step"], row["val_loss"]) for row in r.rows if row["val_loss"] is not None]
-        if val:
-            ax_loss.plot(*zip(*val), color=c, marker="o", ls="--", label=f"{r.name} held-out")
-    vals = [row["val_loss"] for r in results for row in r.rows if row["val_loss"] is not None]
-    if vals:  # the first steps' large losses would flatten the part worth seeing
-        ax_loss.set_ylim(top=max(vals) + 0.5 * (max(vals) - min(vals)) + 0.05)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (nats / byte)")
-    ax_loss.set_title("loss")
-    ax_loss.legend(fontsize=8)
-    ax_loss.grid(alpha=0.3)
-    names = [s["run"] for s in summary]
-    bars = ax_mem.bar(names, [s["state_mb"] for s in summary], color=colors[:len(names)])
-    for bar, s in zip(bars, summary):
-        ax_mem.annotate(f"{s['bits_per_param']:.1f} bits/param\n{s['time_ratio']:.2f}x step time",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax_mem.set_ylabel("optimizer state (MiB)")
-    ax_mem.set_title("optimizer-state memory")
-    ax_mem.margins(y=0.25)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _smooth(values: Sequence[float]) -> List[float]:
-    """Centered moving average (no lag) over about 1/40 of the run."""
-    half = len(values) // 80
-    out = []
-    for i in range(len(values)):
-        window = values[max(0, i - half): i + half + 1]
-        out.append(sum(window) / len(window))
-    return out
-
-
-# -- command line ---------------------------------------------------------------------------
 def parse_presets(text: str) -> List[str]:
     """``"8bit,4bit"`` -> names checked against :data:`optstate_core.PRESETS`."""
-    from .presets import PRESET_ALIASES, PRESETS
+    from ..presets import PRESET_ALIASES, PRESETS
     names = [t.strip() for t in text.split(",") if t.strip()]
     for n in names:
         if n not in PRESETS and n not in PRESET_ALIASES:

@@ -30,7 +30,7 @@ def build_model(hidden: int, layers: int, vocab: int, ffn: int, device):
 
 
 def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
-    from .presets import make_policy, wrap
+    from ..presets import make_policy, wrap
 
     fp32_state = 8 * n_params
     budget = int(fp32_state * budget_fraction)
@@ -60,7 +60,7 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
 
 
 def run_e2e(args) -> int:
-    from .bench import pinned_bandwidth
+    from .measure import pinned_bandwidth
 
     device = torch.device(args.device or "cuda")
     if device.type != "cuda":
