@@ -16,7 +16,7 @@ optimizer state_dict and is imported (then stored as the policy says).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict
+from typing import Dict
 
 import torch
 
@@ -24,8 +24,6 @@ from .codecs import EncodedTensor, codec_from_config, slab_shape
 from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor
 from .store import ParamState, allocate_many, is_scalar_state
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import VirtualOptimizer
 
 FORMAT_VERSION = 1
 META_KEY = "optstate"
@@ -73,14 +71,12 @@ def unpack_value(value, what: str, param=None):
     return value
 
 
-def build_state_dict(opt: "VirtualOptimizer") -> dict:
-    for hook in opt._optimizer_state_dict_pre_hooks.values():
-        hook(opt)
-    engine = opt._engine
+def build_state_dict(engine, param_groups) -> dict:
+    """The engine's state in our format, against the live ``param_groups`` (hooks run by the caller)."""
     engine.sync_transfers()  # offloaded state must be written back before it is read
     groups, state = [], {}
     index = 0
-    for g in opt.param_groups:
+    for g in param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}
         packed["params"] = list(range(index, index + len(g["params"])))
         for p in g["params"]:
@@ -93,12 +89,7 @@ def build_state_dict(opt: "VirtualOptimizer") -> dict:
             "seed": engine.seed, "nonfinite_skipped": engine.nonfinite_skipped()}
     if groups:  # also in the first group: torch.distributed.checkpoint keeps only state and groups
         groups[0][META_KEY] = meta
-    out = {"state": state, "param_groups": groups, "optstate": meta}
-    for hook in opt._optimizer_state_dict_post_hooks.values():
-        result = hook(opt, out)
-        if result is not None:
-            out = result
-    return out
+    return {"state": state, "param_groups": groups, "optstate": meta}
 
 
 def saved_groups_meta(state_dict):
@@ -135,17 +126,16 @@ def _check_entry(param, key, value, what: str, elementwise: bool) -> None:
                              f"the parameter has shape {tuple(param.shape)}")
 
 
-def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
-    """Validate everything first; then swap the new state in and update groups in place."""
+def check_is_state_dict(state_dict) -> None:
+    """Raise unless ``state_dict`` looks like an optimizer state_dict."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("state_dict must be an optimizer state_dict with 'state' and 'param_groups'")
-    state_dict = dict(state_dict)
-    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        result = hook(opt, state_dict)
-        if result is not None:
-            state_dict = result
-    engine = opt._engine
-    groups = opt.param_groups
+
+
+def load_state_dict(engine, groups, state_dict: dict) -> None:
+    """Validate everything first; then swap the new state in and update ``groups`` in place
+    (hooks run by the caller)."""
+    check_is_state_dict(state_dict)
     saved_groups = state_dict["param_groups"]
     meta = state_dict.get(META_KEY)
     if meta is None:
@@ -202,15 +192,12 @@ def load_state_dict(opt: "VirtualOptimizer", state_dict: dict) -> None:
         g.update({k: v for k, v in sg.items() if k not in ("params", "param_names", META_KEY)})
     if meta is not None:
         engine.step_count = int(meta.get("step", 0))
-        engine.nonfinite_host = int(meta.get("nonfinite_skipped", 0))
-        engine.fused.nonfinite_device = None
+        engine.restore_nonfinite_count(int(meta.get("nonfinite_skipped", 0)))
         engine.policy.load_state_dict(meta.get("policy", {}))
     else:
         engine.step_count = _infer_step(new_state)
     with torch.no_grad():
         engine.conform()
-    for hook in opt._optimizer_load_state_dict_post_hooks.values():
-        hook(opt)
 
 
 def _infer_step(state) -> int:
@@ -242,12 +229,11 @@ def to_plain_state_dict(state_dict: dict, device="cpu") -> dict:
                                              for g in state_dict["param_groups"]]}
 
 
-def export_state_dict(opt: "VirtualOptimizer", device="cpu") -> dict:
+def export_state_dict(engine, param_groups, device="cpu") -> dict:
     """A torch-format state_dict with every state decoded (for the unwrapped optimizer)."""
-    engine = opt._engine
     engine.sync_transfers()
     groups, state, index = [], {}, 0
-    for g in opt.param_groups:
+    for g in param_groups:
         packed = {k: v for k, v in g.items() if k not in ("params", META_KEY)}
         packed["params"] = list(range(index, index + len(g["params"])))
         for p in g["params"]:

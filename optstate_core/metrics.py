@@ -1,13 +1,11 @@
 """Memory report and step metrics: the one place that computes bits per parameter."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict
+from typing import Dict
 
 from .codecs import EncodedTensor
 from .store import is_scalar_state, state_nbytes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import VirtualOptimizer
 
 
 def bits_per_param(state_bytes: int, n_params: int) -> float:
@@ -15,7 +13,7 @@ def bits_per_param(state_bytes: int, n_params: int) -> float:
     return 8.0 * state_bytes / n_params if n_params else 0.0
 
 
-def memory_report(opt: "VirtualOptimizer") -> dict:
+def memory_report(engine, param_groups) -> dict:
     """What the optimizer holds between steps, per tier and per codec, and the last step's costs.
 
     Keys: ``device_bytes``, ``host_bytes``, ``state_bytes`` (their sum), ``by_codec`` (bytes per
@@ -23,11 +21,10 @@ def memory_report(opt: "VirtualOptimizer") -> dict:
     ``compression_active``, ``nonfinite_skipped``, and ``last_step`` (materialize / inner step /
     commit / total milliseconds, chunks, tiles, bytes moved host->device and device->host).
     """
-    engine = opt._engine
     device_bytes = host_bytes = 0
     by_codec: Dict[str, int] = {}
     n_params = 0
-    for group in opt.param_groups:
+    for group in param_groups:
         for p in group["params"]:
             n_params += p.numel()
             for value in engine.state.get(p, {}).values():
@@ -60,9 +57,9 @@ def memory_report(opt: "VirtualOptimizer") -> dict:
     }
 
 
-def log_metrics(opt: "VirtualOptimizer", prefix: str = "optstate/") -> Dict[str, float]:
-    """A flat dict of floats for loggers (TensorBoard, W&B, Lightning's ``self.log``, ...)."""
-    report = memory_report(opt)
+def log_metrics(report: dict, prefix: str = "optstate/") -> Dict[str, float]:
+    """A flat dict of floats for loggers (TensorBoard, W&B, Lightning's ``self.log``, ...) from a
+    :func:`memory_report`."""
     last = report["last_step"]
     return {
         f"{prefix}state_mb_device": report["device_bytes"] / 2**20,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -124,7 +123,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                         skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names,
                         fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
                         staging_bytes=staging_bytes, prefetch_during_backward=prefetch_during_backward)
-        engine.offload_all = offload
+        engine.placement.offload_all = offload
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -136,9 +135,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self.state = engine.state
         optimizer.state = engine.state
         engine.observe_closure_loss = observe_closure_loss
-        self._hooks = []
         if prefetch_during_backward:
-            self._register_prefetch_hooks(p for g in optimizer.param_groups for p in g["params"])
+            engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
             with torch.no_grad():
@@ -168,31 +166,34 @@ class VirtualOptimizer(torch.optim.Optimizer):
             return
         engine.inner.add_param_group(param_group)
         if engine.prefetch_during_backward:
-            self._register_prefetch_hooks(engine.inner.param_groups[-1]["params"])
-
-    def _register_prefetch_hooks(self, params) -> None:
-        fused = weakref.ref(self._engine.fused)
-
-        def hook(param):
-            path = fused()
-            if path is not None:
-                path.prefetch(param)
-
-        for p in params:
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            engine.schedule.register_hooks(engine.inner.param_groups[-1]["params"])
 
     def state_dict(self) -> dict:
         """Encoded state (tensors and primitives only), torch's group format, a format version."""
-        return checkpoint.build_state_dict(self)
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = checkpoint.build_state_dict(self._engine, self.param_groups)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load our own format or a plain torch optimizer state_dict (migration)."""
-        checkpoint.load_state_dict(self, state_dict)
+        checkpoint.check_is_state_dict(state_dict)
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def export_state_dict(self, device="cpu") -> dict:
         """A plain torch state_dict (decoded state) that the unwrapped optimizer can load."""
-        return checkpoint.export_state_dict(self, device=device)
+        return checkpoint.export_state_dict(self._engine, self.param_groups, device=device)
 
     def train(self, mode: bool = True):
         fn = getattr(self._engine.inner, "train" if mode else "eval", None)
@@ -216,9 +217,6 @@ class VirtualOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Release staging memory, pinned host buffers and all state; the optimizer is done.
         Save ``state_dict()`` first if you need it."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         self._engine.close()
 
     # -- optstate API ---------------------------------------------------------------------------
@@ -236,11 +234,11 @@ class VirtualOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> dict:
         """Bytes held per tier and per codec, bits/param, and the last step's timings."""
-        return metrics.memory_report(self)
+        return metrics.memory_report(self._engine, self.param_groups)
 
     def log_metrics(self, prefix: str = "optstate/") -> dict:
         """Flat float metrics for loggers: state MB per tier, bits/param, step and overhead ms."""
-        return metrics.log_metrics(self, prefix)
+        return metrics.log_metrics(self.memory_report(), prefix)
 
     def set_step_boundary(self, will_step: bool) -> None:
         """Tell the engine whether the coming backward ends in an optimizer step (the last
@@ -280,9 +278,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         return checkpoint.decoded_param_state(self._engine.state.get(param, {}), param.device, param)
 
     def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_hooks"] = []  # hook handles do not survive a copy; prefetch hooks are re-made lazily
-        return state
+        return dict(self.__dict__)  # the whole wrapper (torch's keeps only defaults, state and groups)
 
     def __setstate__(self, state):
         super().__setstate__(state)

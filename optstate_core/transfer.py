@@ -8,7 +8,7 @@ copies and no streams, so the ordering logic is exercised by the CPU test suite 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -124,3 +124,37 @@ class StagingRing:
 
     def view(self, start: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+
+def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of ``nbytes`` bytes of ``t``'s storage from byte offset ``start``."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (nbytes,))
+
+
+def coalesce_copies(pairs):
+    """Merge (host, ring) tensor pairs whose bytes follow each other on both sides (up to the
+    16-byte padding both layouts use) into single byte-range pairs."""
+    out, run = [], None  # run: [host storage, host start, ring storage, ring start, end offset, first pair]
+    for host, ring in pairs:
+        if not host.numel():
+            continue
+        hs = host.storage_offset() * host.element_size()
+        rs = ring.storage_offset() * ring.element_size()
+        n = host.numel() * host.element_size()
+        padded = -(-n // 16) * 16
+        if (run is not None and host.untyped_storage().data_ptr() == run[0] and
+                ring.untyped_storage().data_ptr() == run[2] and hs - run[1] == rs - run[3] and hs == run[4]
+                and host.is_contiguous()):
+            run[4] = hs + padded
+            run[6] = hs + n
+            continue
+        if run is not None:
+            out.append(run)
+        run = [host.untyped_storage().data_ptr(), hs, ring.untyped_storage().data_ptr(), rs, hs + padded,
+               (host, ring), hs + n]
+    if run is not None:
+        out.append(run)
+    merged = []
+    for hptr, hs, rptr, rs, _, (host, ring), hend in out:
+        merged.append((_byte_view(host, hs, hend - hs), _byte_view(ring, rs, hend - hs)))
+    return merged

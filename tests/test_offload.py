@@ -78,10 +78,10 @@ def test_resident_budgeted_offloaded_identical(fused, preset):
 def test_budget_accounting():
     ps, opt = run(False, **MODES["budgeted"])
     engine = opt._engine
-    resident = [p for p in ps if id(p) in engine.resident]
+    resident = [p for p in ps if id(p) in engine.placement.resident]
     assert resident == [ps[0]]
     device_bytes = opt.memory_report()["device_bytes"]
-    assert device_bytes + engine.staging_size(ps[0].device) <= engine.gpu_budget
+    assert device_bytes + engine.placement.staging_size(ps[0].device) <= engine.placement.gpu_budget
     for p in ps[1:]:
         assert opt.state[p]["exp_avg"].host_tier
 
@@ -145,7 +145,7 @@ def test_prefetch_during_backward_only_on_steps():
                   staging_bytes="1MB", prefetch_during_backward=True)
     ref = oc.wrap(torch.optim.AdamW(twin.parameters()), policy(), fused=True, offload=True, staging_bytes="1MB")
     uploads = []
-    path = opt._engine.fused
+    path = opt._engine.schedule
     original = path.prefetch
 
     def counting(param):
@@ -179,7 +179,7 @@ def test_close_frees_everything():
         ps, opt = run(True, steps=2, offload=True, staging_bytes="40KB", shapes=[(8, 256), (256,)])
         refs.append(weakref.ref(opt._engine))
         opt.close()
-        assert len(opt.state) == 0 and opt._engine.fused._ring is None
+        assert len(opt.state) == 0 and opt._engine.schedule._ring is None
         del opt, ps
     gc.collect()
     assert all(r() is None for r in refs)

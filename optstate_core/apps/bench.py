@@ -178,7 +178,7 @@ def run(args) -> int:
         table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
     bandwidth = pinned_bandwidth(device)
     rows = []
-    from .. import fused
+    from .. import fused_launch as fused
     shapes_to_try = [(fused.NBLK, fused.NUM_WARPS)]
     if args.tune:
         shapes_to_try = [tuple(int(x) for x in item.split("x")) for item in args.tune.split(",")]

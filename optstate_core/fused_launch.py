@@ -1,0 +1,175 @@
+"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf flags, step counters.
+
+One launch covers every parameter of a bucket. NaN/inf gradients are flagged on the device and
+their parameters skipped inside the kernel, so a fused step never synchronises with the host.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, Optional
+
+import torch
+
+from .codecs import Int4Codec
+from .codecs.rounding import state_seed, step_mix
+from .dtensor import agree_on_flags, any_distributed
+from .kernels import launch
+
+FP32, BF16, INT8, INT4 = 0, 1, 2, 3
+P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# launch shape (256-element tiles per program, warps), tuned on an H200: int8/bf16 states
+# (4, 4); 4-bit states, whose codebook reads are latency-bound, (2, 2). Env vars override.
+NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))
+NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
+NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.environ.get("OPTSTATE_NUM_WARPS", 2)))
+# hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
+FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
+
+
+class KernelLauncher:
+    """Launches the Triton kernels over buckets; counts NaN/inf skips on the device."""
+
+    def __init__(self, engine, stochastic_param_rounding: bool):
+        self.engine = engine
+        self.stochastic_param_rounding = stochastic_param_rounding
+        self.nonfinite_device: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
+        self._seed_cache: Dict[tuple, int] = {}
+
+    def close(self) -> None:
+        """Forget cached launch tables (they hold device pointers of freed state)."""
+        launch.clear_caches()
+
+    def nonfinite_flags(self, bucket):
+        """Per-parameter NaN/inf flags of a whole bucket (device tensor), or None if unchecked."""
+        from .kernels.nonfinite import nonfinite_flags_kernel  # Triton is imported only when a kernel runs
+
+        if not self.engine.skip_nonfinite:
+            return None
+        device, n = bucket.params[0].device, len(bucket.params)
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
+        flags = torch.zeros(n, dtype=torch.int32, device=device)
+        G = launch.pointer_table(bucket.grad_list(), device)
+        nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                                          P_KIND=P_KINDS[bucket.params[0].dtype], NBLK=NBLK, ALIGNED=bucket.aligned,
+                                          num_warps=NUM_WARPS)
+        if any_distributed(bucket.keys):
+            agree_on_flags(flags)
+        total = flags.sum()
+        self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
+        return flags
+
+    def advance_steps(self, bucket, flags) -> None:
+        """Advance the bucket's per-parameter step counters on the device (not for skipped ones)."""
+        from .kernels.adam import advance_steps_kernel
+
+        if bucket.plan["kind"] == "adam":
+            dummy = flags if flags is not None else torch.zeros(1, dtype=torch.int32, device=bucket.params[0].device)
+            advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device), dummy,
+                                                        CHECK_FINITE=flags is not None)
+
+    def launch(self, bucket, flags=None, advance: bool = True) -> None:
+        """One launch of the update kernel over a bucket. ``flags``: per-parameter NaN/inf
+        flags computed beforehand (streamed chunks); otherwise computed here."""
+        from .kernels.adam import adam_kernel
+        from .kernels.sgd import sgd_kernel
+
+        engine, plan, params = self.engine, bucket.plan, bucket.params
+        device, n = params[0].device, len(params)
+        group = engine.inner.param_groups[bucket.group_index]
+        nblk, warps = (NBLK_4BIT, NUM_WARPS_4BIT) if INT4 in plan["kinds"] else (NBLK, NUM_WARPS)
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk, device)
+        P = launch.pointer_table(params, device)
+        G = launch.pointer_table(bucket.grad_list(), device)
+        # counter-hash seeds of m, v, vmax and the parameter; the kernel mixes in the step
+        SEEDS = launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device)
+        step_mix_value = step_mix(engine.step_count)
+        BASE = launch.cached_table(bucket.bases, device)
+        aligned, check = bucket.aligned, engine.skip_nonfinite
+        if check and flags is None:
+            flags = self.nonfinite_flags(bucket)
+        elif check:
+            flags = flags[bucket.param_index(device)]  # per piece: its parameter's flag
+        if flags is None:
+            flags = torch.zeros(1, dtype=torch.int32, device=device)
+        p_kind = P_KINDS[params[0].dtype]
+        lr = group["lr"]
+        lr_tensor = isinstance(lr, torch.Tensor)
+        lr_ptr = lr if lr_tensor else flags
+        lr_val = 0.0 if lr_tensor else float(lr)
+        m_codec = plan["codecs"][0]
+        M, MS = bucket.tables(0, device)
+        idx32 = all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols))
+        common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
+                      LR_TENSOR=lr_tensor,
+                      FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
+        if plan["kind"] == "adam":
+            v_codec = plan["codecs"][1]
+            V, VS = bucket.tables(1, device)
+            amsgrad = len(plan["keys"]) == 3
+            VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
+            STEPS = bucket.steps_table(device)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
+            adam_kernel[(n_prog,)](
+                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                lr_ptr, lr_val, beta1, beta2, math.log(beta1) if beta1 > 0 else -1e30,
+                math.log(beta2) if beta2 > 0 else -1e30, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
+                float(group["eps"]), float(group["weight_decay"]),
+                *self._tables(m_codec, device), *self._tables(v_codec, device),
+                M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
+                M_SR=bool(m_codec.stochastic_rounding), V_SR=bool(v_codec.stochastic_rounding),
+                P_SR=self.stochastic_param_rounding and p_kind == 1,
+                M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
+                M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, **common)
+            if advance:
+                self.advance_steps(bucket, flags if check else None)
+        else:
+            sgd_kernel[(n_prog,)](
+                P, G, M, MS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
+                M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), NESTEROV=bool(group["nesterov"]),
+                **common)
+        bucket.first = False if advance else bucket.first
+        engine.metrics.fused_params += n if advance else 0
+        engine.metrics.kernel_launches += 1
+
+    def _seeds(self, indices, keys):
+        """Counter-hash seeds per (parameter index, state), computed once."""
+        names = (list(keys) + [keys[-1]] * 3)[:3] + ["param"]
+        cache = self._seed_cache
+        out = []
+        for i in indices:
+            for name in names:
+                if (i, name) not in cache:
+                    cache[(i, name)] = state_seed(self.engine.seed, i, name)
+                out.append(cache[(i, name)])
+        return out
+
+    @staticmethod
+    def _inv_power(codec) -> float:
+        return 1.0 / codec.effective_power if isinstance(codec, Int4Codec) else 0.5
+
+    @staticmethod
+    def _n_levels(codec) -> int:
+        return len(codec.levels) if isinstance(codec, Int4Codec) else 2
+
+    @staticmethod
+    def _tables(codec, device):
+        if isinstance(codec, Int4Codec):
+            levels, mids, lut = codec.tables(device)
+            return levels, mids, lut
+        dummy = _dummy(device)
+        return dummy, dummy, dummy
+
+
+_DUMMIES: Dict[str, torch.Tensor] = {}
+
+
+def _dummy(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(16, dtype=torch.float32, device=device)
+    return _DUMMIES[key]

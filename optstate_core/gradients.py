@@ -1,0 +1,62 @@
+"""Gradient checks before a step: validate every gradient first (nothing changes on a rejected
+step) and find the parameters whose gradient holds NaN/inf (the reference paths' skip)."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from .dtensor import agree_on_flags, any_distributed
+from .policy import ParamInfo
+from .store import ParamState, StateMap
+from .work import Work, describe_param
+
+
+def collect(param_infos: Iterable[Tuple[torch.Tensor, ParamInfo]], state: StateMap) -> List[Work]:
+    """Validate every gradient, then return the work of this step (nothing changed yet)."""
+    works = []
+    for p, info in param_infos:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse or g.layout != torch.strided:
+            raise ValueError(f"{describe_param(info)} has a sparse gradient; optstate keeps dense state only. "
+                             "Step it with an unwrapped optimizer that supports sparse gradients.")
+        if g.shape != p.shape:
+            raise ValueError(f"{describe_param(info)} has a gradient of shape {tuple(g.shape)}")
+        if g.is_complex() != p.is_complex():
+            raise ValueError(f"{describe_param(info)}: gradient and parameter disagree on being complex")
+        works.append(Work(p, info, state[p] if p in state else ParamState()))
+    return works
+
+
+def split_nonfinite(works: List[Work]) -> Tuple[List[Work], List[Work]]:
+    """``(finite, nonfinite)`` works by their gradients; one host synchronisation per device.
+    Under FSDP2 a shard's NaN marks the parameter on every rank."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, w in enumerate(works):
+        if w.grad.numel():
+            by_device.setdefault(w.grad.device, []).append(i)
+    finite = [True] * len(works)
+    distributed = any_distributed([w.key for w in works])
+    for idx in by_device.values():
+        norms = torch._foreach_norm([works[i].grad for i in idx], float("inf"))
+        bad = (~torch.isfinite(torch.stack([n.float() for n in norms]))).to(torch.int32)
+        if distributed:
+            bad = agree_on_flags(bad)
+        for i, flag in zip(idx, bad.tolist()):  # the step's one sync
+            finite[i] = not flag
+    return [w for w, ok in zip(works, finite) if ok], [w for w, ok in zip(works, finite) if not ok]
+
+
+def all_finite(grads) -> bool:
+    """Whether every gradient is free of NaN/inf (one host synchronisation per device)."""
+    by_device: Dict[torch.device, list] = {}
+    for g in grads:
+        if g.numel():
+            by_device.setdefault(g.device, []).append(g)
+    for gs in by_device.values():
+        norms = torch._foreach_norm(gs, float("inf"))
+        if not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
+            return False
+    return True
