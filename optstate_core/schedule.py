@@ -40,7 +40,6 @@ class StepBoundary:
         return {"flag": self.flag, "source": None}
 
 
-
 class StepSchedule:
     """The timetable of one training step for the engine's fused buckets (see the module doc)."""
 
