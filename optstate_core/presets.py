@@ -24,6 +24,9 @@ PRESETS = {
     "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec="int4"),
     "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
                     variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False),
+    # the smallest state: 4-bit for every tensor, biases and norms included (about 1% behind
+    # AdamW's loss where "4bit", which keeps small tensors fp32, is within 0.3%)
+    "4bit-all": dict(warmup_steps=0, momentum_codec="int4", variance_codec="int4", min_int8_elements=0),
 }
 PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
@@ -110,8 +113,11 @@ def wrap_max_compression_adamw(params: Iterable, lr: float = 1e-3, weight_decay:
                                chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = 256,
                                initial_chunk_size: Optional[int] = 1, pin_memory: Optional[bool] = None,
                                device_resident: Optional[bool] = None, **adamw_kwargs) -> VirtualOptimizer:
-    """AdamW with 4-bit momentum and second moment for every tensor, from the first step."""
-    policy = WarmupPolicy(warmup_steps=0, momentum_codec="int4", variance_codec="int4", min_int8_elements=0,
+    """AdamW with int8 momentum and second moment for every tensor (biases and norms too), from
+    the first step: torch-optstate 0.1.1's "int8-all state". For 4-bit everywhere use the
+    ``"4bit-all"`` preset."""
+    policy = WarmupPolicy(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
+                          variance_codec=Int8Codec(stochastic_rounding=True), min_int8_elements=0,
                           device_resident=device_resident)
     return VirtualOptimizer(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **adamw_kwargs), policy,
                             chunk_size=chunk_size, chunk_size_on_cuda=chunk_size_on_cuda,

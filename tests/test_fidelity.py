@@ -7,15 +7,20 @@ import torch
 import optstate_core as oc
 
 
-def teacher_student(policy, steps=300, lr=2e-3, seed=0, loss_scale=1.0, width=192):
+def teacher_student(policy, steps=300, lr=2e-3, seed=0, loss_scale=1.0, width=192, build=None):
+    """Tail (last 50 steps) mean loss and the model. ``build(params, lr)`` makes the optimizer
+    instead of wrapping AdamW with ``policy``."""
     torch.manual_seed(seed)
     teacher = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     torch.manual_seed(seed + 1)
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.GELU(), torch.nn.Linear(width, width),
                                 torch.nn.GELU(), torch.nn.Linear(width, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    if policy is not None:
-        opt = oc.wrap(opt, policy)
+    if build is not None:
+        opt = build(model.parameters(), lr)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        if policy is not None:
+            opt = oc.wrap(opt, policy)
     g = torch.Generator().manual_seed(123)
     losses = []
     for _ in range(steps):
@@ -38,7 +43,7 @@ def adamw_reference(steps, lr, loss_scale):
 POLICIES = {
     "8bit": lambda: oc.make_policy("8bit"),
     "4bit": lambda: oc.make_policy("4bit"),
-    "max-compression": lambda: oc.make_policy("4bit", min_int8_elements=0),
+    "4bit-all": lambda: oc.make_policy("4bit-all"),
     "low-memory-fp16": lambda: oc.make_low_memory_policy(warmup_steps=10),
 }
 
@@ -48,6 +53,23 @@ def test_300_steps_within_2_percent_of_adamw(name):
     ref, _ = adamw_reference(300, 2e-3, 1.0)
     got, _ = teacher_student(POLICIES[name]())
     assert abs(got / ref - 1) < 0.02, (got, ref)
+
+
+def test_max_compression_is_int8_for_every_state_and_within_2_percent():
+    """torch-optstate's wrap_max_compression_adamw: "int8-all state" from the first step."""
+    ref, _ = adamw_reference(300, 2e-3, 1.0)
+    opts = []
+
+    def build(params, lr):
+        opts.append(oc.wrap_max_compression_adamw(params, lr=lr, weight_decay=1e-2))
+        return opts[-1]
+
+    got, model = teacher_student(None, build=build)
+    assert abs(got / ref - 1) < 0.02, (got, ref)
+    assert opts[0].policy.warmup_steps == 0
+    for p in model.parameters():  # biases included
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opts[0].state[p][key].codec.name == "int8", (tuple(p.shape), key)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES) + ["offload", "bf16"])
