@@ -110,16 +110,42 @@ def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
     return value.to(device=param.device)
 
 
+def _check_payload(param, key, value: EncodedTensor, what: str) -> None:
+    """Every payload tensor has the dtype and shape its codec lays out, real (not meta, not
+    sparse) storage on the host or on the parameter's kind of device, and finite scales."""
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"state_dict: {what} state {key!r} has dtype {value.dtype}; encoded state must be "
+                         "a floating-point dtype")
+    rows, cols = value.slab
+    layout = value.codec.payload_layout(rows, cols, value.dtype)
+    extra = set(value.payload) - set(layout)
+    if extra:
+        raise ValueError(f"state_dict: {what} state {key!r}: payload has unexpected entries {sorted(extra)} "
+                         f"for codec {value.codec.name!r}")
+    devices = {"cpu", local(param).device.type}
+    for name, (shape, dtype, _) in layout.items():
+        t = value.payload.get(name)
+        where = f"state_dict: {what} state {key!r}: payload {name!r}"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where} is missing (codec {value.codec.name!r} expects a {dtype} tensor of "
+                             f"shape {tuple(shape)})")
+        t = local(t)
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"{where} is a {t.dtype} tensor of shape {tuple(t.shape)}; codec "
+                             f"{value.codec.name!r} expects {dtype} of shape {tuple(shape)}")
+        if t.layout != torch.strided or t.device.type not in devices:
+            raise ValueError(f"{where} is a {t.layout} tensor on {t.device}; expected a dense tensor on "
+                             f"{' or '.join(sorted(devices))}")
+        if name == "scales" and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where} holds NaN/inf scales")
+
+
 def _check_entry(param, key, value, what: str, elementwise: bool) -> None:
     if isinstance(value, EncodedTensor):
         if tuple(value.shape) != tuple(local(param).shape):
             raise ValueError(f"state_dict: {what} state {key!r} has shape {tuple(value.shape)}, "
                              f"the parameter has shape {tuple(local(param).shape)}")
-        rows, cols = value.slab
-        for name, (shape, dtype, _) in value.codec.payload_layout(rows, cols, value.dtype).items():
-            t = value.payload.get(name)
-            if t is None or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"state_dict: {what} state {key!r}: payload {name!r} does not match its codec")
+        _check_payload(param, key, value, what)
     elif isinstance(value, torch.Tensor) and not is_scalar_state(value) and elementwise:
         if value.numel() != param.numel():
             raise ValueError(f"state_dict: {what} state {key!r} has shape {tuple(value.shape)}, "
@@ -161,13 +187,19 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         if saved_id not in id_map:
             raise ValueError(f"state_dict: state for unknown parameter id {saved_id!r}")
         param = id_map[saved_id]
-        what = f"parameter {saved_id}"
+        name = engine.name_of(param)
+        what = f"parameter {saved_id}" + (f" ({name!r})" if name else "")
         if not isinstance(entry, dict):
             raise ValueError(f"state_dict: state of {what} must be a dict")
         st = ParamState()
         for key, value in entry.items():
             value = unpack_value(value, what, param)
             _check_entry(param, key, value, what, engine.elementwise)
+            if isinstance(value, EncodedTensor) and value.dtype != param.dtype and param.is_floating_point() \
+                    and not is_dtensor(param):
+                # saved for a parameter of another float dtype: like torch, state follows the
+                # parameter's dtype (decoded here, re-encoded by conform() below)
+                value = value.decode(param.device, dtype=param.dtype)
             if isinstance(value, EncodedTensor):
                 target = torch.device("cpu") if value.host_tier else param.device
                 encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value))
