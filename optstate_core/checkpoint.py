@@ -158,6 +158,18 @@ def check_is_state_dict(state_dict) -> None:
         raise ValueError("state_dict must be an optimizer state_dict with 'state' and 'param_groups'")
 
 
+def _check_same_keys(keys_by_group: Dict[int, list]) -> None:
+    """Within one parameter group the optimizer keeps the same state keys for every parameter
+    that has state: an entry missing one of them would fail later, inside ``step()``."""
+    for gi, entries in keys_by_group.items():
+        expected = set().union(*(keys for _, keys in entries if keys))
+        for what, keys in entries:
+            missing = expected - keys if keys else set()
+            if missing:
+                raise ValueError(f"state_dict: {what} (group {gi}) is missing state {sorted(missing)} that the "
+                                 "other parameters of its group have")
+
+
 def load_state_dict(engine, groups, state_dict: dict) -> None:
     """Validate everything first; then swap the new state in and update ``groups`` in place
     (hooks run by the caller)."""
@@ -175,13 +187,15 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         if len(g["params"]) != len(sg["params"]):
             raise ValueError(f"state_dict: parameter group {i} has {len(sg['params'])} parameters, "
                              f"the optimizer's has {len(g['params'])}")
-    id_map, group_of = {}, {}
-    for g, sg in zip(groups, saved_groups):
+    id_map, group_of, group_index = {}, {}, {}
+    for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
         for saved_id, p in zip(sg["params"], g["params"]):
             id_map[saved_id] = p
             group_of[saved_id] = g
+            group_index[saved_id] = gi
 
     new_state: Dict[torch.Tensor, ParamState] = {}
+    keys_by_group: Dict[int, list] = {}
     encoded = {}  # (codec, host, device, dtype) -> [(state dict, key, source)]: placed together below
     for saved_id, entry in state_dict["state"].items():
         if saved_id not in id_map:
@@ -207,6 +221,8 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
                 value = _cast_like_torch(param, key, value, group_of[saved_id])
             st[key] = value
         new_state[param] = st
+        keys_by_group.setdefault(group_index[saved_id], []).append((what, set(entry)))
+    _check_same_keys(keys_by_group)
     pin = engine.pin_memory if engine.pin_memory is not None else torch.cuda.is_available()
     for (codec, host, device, dtype), items in encoded.items():
         placed = allocate_many(codec, [src.shape for _, _, src in items], dtype, device, host, pin)

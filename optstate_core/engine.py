@@ -109,7 +109,8 @@ class Engine:
         kept, skipped = split_nonfinite(works)
         if skipped:
             self.nonfinite_host += len(skipped)
-            log.warning("step %d: non-finite gradient, update skipped for %s", self.step_count,
+            log.warning("step %d: non-finite gradient (NaN, inf or |g| >= 2**64), update skipped for %s",
+                        self.step_count,
                         ", ".join(describe_param(w.info) for w in skipped))
         self.metrics.nonfinite_skipped = len(skipped)
         return kept

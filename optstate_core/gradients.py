@@ -1,5 +1,5 @@
 """Gradient checks before a step: validate every gradient first (nothing changes on a rejected
-step) and find the parameters whose gradient holds NaN/inf (the reference paths' skip)."""
+step) and find the parameters whose gradient holds NaN/inf or overflows (the reference paths' skip)."""
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
@@ -10,6 +10,11 @@ from .dtensor import agree_on_flags, any_distributed
 from .policy import ParamInfo
 from .store import ParamState, StateMap
 from .work import Work, describe_param
+
+#: skip_nonfinite also skips a gradient this large: its square (Adam's second moment) overflows
+#: fp32 to inf, after which the parameter never moves again (torch) or its compressed state
+#: saturates and the next update explodes. The fused check (kernels/nonfinite.py) uses the same.
+GRAD_OVERFLOW = 2.0 ** 64
 
 
 def collect(param_infos: Iterable[Tuple[torch.Tensor, ParamInfo]], state: StateMap) -> List[Work]:
@@ -41,7 +46,7 @@ def split_nonfinite(works: List[Work]) -> Tuple[List[Work], List[Work]]:
     distributed = any_distributed([w.key for w in works])
     for idx in by_device.values():
         norms = torch._foreach_norm([works[i].grad for i in idx], float("inf"))
-        bad = (~torch.isfinite(torch.stack([n.float() for n in norms]))).to(torch.int32)
+        bad = (~(torch.stack([n.float() for n in norms]) < GRAD_OVERFLOW)).to(torch.int32)  # NaN too
         if distributed:
             bad = agree_on_flags(bad)
         for i, flag in zip(idx, bad.tolist()):  # the step's one sync
@@ -50,13 +55,13 @@ def split_nonfinite(works: List[Work]) -> Tuple[List[Work], List[Work]]:
 
 
 def all_finite(grads) -> bool:
-    """Whether every gradient is free of NaN/inf (one host synchronisation per device)."""
+    """Whether every gradient is free of NaN/inf and below GRAD_OVERFLOW (one sync per device)."""
     by_device: Dict[torch.device, list] = {}
     for g in grads:
         if g.numel():
             by_device.setdefault(g.device, []).append(g)
     for gs in by_device.values():
         norms = torch._foreach_norm(gs, float("inf"))
-        if not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
+        if not bool((torch.stack([n.float() for n in norms]) < GRAD_OVERFLOW).all()):
             return False
     return True

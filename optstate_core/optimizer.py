@@ -102,6 +102,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
             if isinstance(gpu_budget, float) and not isinstance(gpu_budget, bool):
                 if not 0.0 < gpu_budget < 1.0:
                     raise ValueError(f"gpu_budget as a fraction must be in (0, 1), got {gpu_budget!r}")
+                if not torch.cuda.is_available():
+                    raise ValueError(f"gpu_budget={gpu_budget!r} is a fraction of free GPU memory, but CUDA is not "
+                                     "available; give a byte count (e.g. '2GB') or leave it None")
             else:
                 gpu_budget = parse_bytes(gpu_budget, "gpu_budget")
         staging_bytes = parse_bytes(staging_bytes, "staging_bytes")

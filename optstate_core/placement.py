@@ -46,7 +46,10 @@ class Placement:
         if self.gpu_budget is None:
             return None
         if isinstance(self.gpu_budget, float):
-            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+            if device.type != "cuda":
+                raise ValueError(f"gpu_budget={self.gpu_budget!r} is a fraction of free GPU memory, but the "
+                                 f"parameters are on {device}; give a byte count instead")
+            free = torch.cuda.mem_get_info(device)[0]
             self.gpu_budget = int(free * self.gpu_budget)
         return self.gpu_budget
 

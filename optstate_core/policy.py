@@ -126,7 +126,7 @@ class WarmupPolicy(Policy):
                  momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None):
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if not isinstance(min_int8_elements, int) or min_int8_elements < 0:
+        if not isinstance(min_int8_elements, int) or isinstance(min_int8_elements, bool) or min_int8_elements < 0:
             raise ValueError(f"min_int8_elements must be an int >= 0, got {min_int8_elements!r}")
         if device_resident is not None and not isinstance(device_resident, bool):
             raise ValueError(f"device_resident must be None, True or False, got {device_resident!r}")

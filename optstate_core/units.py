@@ -1,6 +1,7 @@
 """Parsing of byte sizes given as numbers or strings ("64MB", "2GiB", "0.5GB")."""
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -11,6 +12,8 @@ def parse_bytes(value, arg: str) -> int:
     """A positive byte count from an int or a string such as ``"64MB"``; errors name ``arg``."""
     if isinstance(value, bool):
         raise ValueError(f"{arg} must be a byte count such as 67108864 or '64MB', got {value!r}")
+    if isinstance(value, float) and not (math.isfinite(value) and value == int(value)):
+        raise ValueError(f"{arg} must be a whole number of bytes, got {value!r}")
     if isinstance(value, (int, float)):
         n = int(value)
     elif isinstance(value, str):
