@@ -113,9 +113,9 @@ def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
 def _check_payload(param, key, value: EncodedTensor, what: str) -> None:
     """Every payload tensor has the dtype and shape its codec lays out, real (not meta, not
     sparse) storage on the host or on the parameter's kind of device, and finite scales."""
-    if not value.dtype.is_floating_point:
+    if not (value.dtype.is_floating_point or value.dtype.is_complex):
         raise ValueError(f"state_dict: {what} state {key!r} has dtype {value.dtype}; encoded state must be "
-                         "a floating-point dtype")
+                         "a floating-point or complex dtype")
     rows, cols = value.slab
     layout = value.codec.payload_layout(rows, cols, value.dtype)
     extra = set(value.payload) - set(layout)
