@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import torch
 
 from .conform import Conformer
+from .follow import follow_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
 from .gradients import all_finite, collect, split_nonfinite
@@ -118,6 +119,7 @@ class Engine:
     # -- a step --------------------------------------------------------------------------------
     def step(self) -> None:
         t0 = time.perf_counter()
+        follow_params(self)  # parameters cast or moved since wrapping: state follows (or a clear refusal)
         self.metrics = StepMetrics()
         self.transfers.reset()
         signature = self._signature()

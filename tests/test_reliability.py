@@ -393,6 +393,64 @@ def plain_torch_round_trip(preset, fused):
     assert_trains(model, opt)
 
 
+# -- rows: parameters cast or moved after wrapping -------------------------------------------------
+def cast_after_wrapping(dtype):
+    """``model.to(dtype)`` after wrapping: the state follows in its codec (codes and scales kept),
+    and for fp32 the step is bit-identical to torch AdamW whose state was cast the same way (torch
+    alone fails on the mixed dtypes)."""
+    def row(preset, fused):
+        model, opt = wrapped(preset, fused, steps=2)
+        ref_model = copy.deepcopy(model)
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+        ref.load_state_dict(copy.deepcopy(opt.export_state_dict()))  # like torch's, it shares raw tensors
+        decoded = [opt.get_state(p) for p in model.parameters()]
+        model.to(dtype)
+        ref_model.to(dtype)
+        ref.load_state_dict(ref.state_dict())  # torch's own cast of the state to the parameters' dtype
+        train(model, opt, 1, first=2)
+        train(ref_model, ref, 1, first=2)
+        for p, before in zip(model.parameters(), decoded):
+            for key, value in opt.state[p].items():
+                if key != "step":
+                    assert value.dtype == dtype and type(value) is type(before[key]) or isinstance(
+                        value, (torch.Tensor, oc.EncodedTensor))
+        if preset == "fp32":
+            assert torch.equal(flat(model), flat(ref_model))
+        else:
+            ok = torch.isfinite(flat(ref_model))  # fp16 Adam (eps underflows) goes NaN under torch too
+            assert torch.equal(torch.isfinite(flat(model)), ok)
+            assert (flat(model)[ok] - flat(ref_model)[ok]).abs().max() < 2e-2  # within one update of AdamW
+    return row
+
+
+def moved_to_meta(preset, fused):
+    """``model.to("meta")`` gives the module new Parameter objects (torch's rule for meta): the
+    optimizer keeps its own parameters and state, as torch.optim does. With
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` the parameters themselves
+    become meta tensors: the step is refused by name before anything changes."""
+    model, opt = wrapped(preset, fused)
+    own = list(opt.param_groups[0]["params"])
+    before = frozen(opt, model)
+    model.to("meta")
+    assert all(p is not q for p, q in zip(model.parameters(), own))
+    assert_unchanged(before, opt, torch.nn.ParameterList(own))
+    model, opt = wrapped(preset, fused)
+    before = frozen(opt, model)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert opt.param_groups[0]["params"][0] is model[0].weight and model[0].weight.is_meta
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' \(.*\) moved to the meta device"):
+        opt.step()
+    after = snapshot(opt, model)
+    assert after[2] == before[2] and same_state(before[1], after[1])
+
+
 # -- rows: options ---------------------------------------------------------------------------------
 def invalid_options(preset, fused):
     params = list(net().parameters())
@@ -494,6 +552,9 @@ TABLE = [
     ("ckpt-nan-scales", nan_scales, "ValueError naming the key; nothing changed", False),
     ("ckpt-future-version", rejected_checkpoint(future_version, "newer"), "ValueError; nothing changed", False),
     ("ckpt-plain-torch-and-export", plain_torch_round_trip, "imported and exported; continues like AdamW", False),
+    ("cast-double", cast_after_wrapping(torch.float64), "state follows in its codec; steps like torch", True),
+    ("cast-half", cast_after_wrapping(torch.float16), "state follows in its codec; steps like torch", True),
+    ("to-meta", moved_to_meta, "module's new params: optimizer unchanged; in-place meta refused by name", False),
     ("invalid-options", invalid_options, "ValueError naming the argument", False),
     ("gpu-budget-on-cpu", gpu_budget_without_gpu, "fraction refused; bytes change nothing", False),
     ("soak-1000-steps", soak, "no growth in live tensors or RSS", False),
