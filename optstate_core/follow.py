@@ -62,11 +62,13 @@ def _refuse_if_impossible(changed) -> None:
                              "its optimizer state cannot follow that dtype")
 
 
-def _moved(value, p: torch.Tensor):
+def _moved(value, p: torch.Tensor, pin: bool):
     if isinstance(value, EncodedTensor):
         layout = value.codec.payload_layout(*value.slab, p.dtype)
         where = torch.device("cpu") if value.host_tier else p.device
         payload = {k: t.to(device=where, dtype=layout[k][1]) for k, t in value.payload.items()}
+        if value.host_tier and pin:  # host-tier state of a parameter now on CUDA streams from pinned memory
+            payload = {k: t if t.is_pinned() else t.pin_memory() for k, t in payload.items()}
         return EncodedTensor(value.codec, payload, value.shape, p.dtype, value.host_tier)
     return value.to(device=p.device, dtype=p.dtype)
 
@@ -81,9 +83,10 @@ def follow_params(engine) -> None:
     engine.sync_transfers()
     for p, info, (dtype, device) in changed:
         st = engine.state[p]
+        pin = engine.pin_memory if engine.pin_memory is not None else p.device.type == "cuda"
         for key, value in list(st.items()):
             if not is_scalar_state(value):
-                st[key] = _moved(value, p)
+                st[key] = _moved(value, p, pin)
         log.info("optstate: %s changed from %s on %s to %s on %s after wrapping; its state follows",
                  describe_param(info), dtype, device, p.dtype, p.device)
     engine.invalidate_plan()

@@ -403,22 +403,21 @@ def cast_after_wrapping(dtype):
         ref_model = copy.deepcopy(model)
         ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
         ref.load_state_dict(copy.deepcopy(opt.export_state_dict()))  # like torch's, it shares raw tensors
-        decoded = [opt.get_state(p) for p in model.parameters()]
+        forms = {(i, k): (type(v), getattr(v, "codec", None))
+                 for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items() if k != "step"}
         model.to(dtype)
         ref_model.to(dtype)
         ref.load_state_dict(ref.state_dict())  # torch's own cast of the state to the parameters' dtype
         train(model, opt, 1, first=2)
         train(ref_model, ref, 1, first=2)
-        for p, before in zip(model.parameters(), decoded):
-            for key, value in opt.state[p].items():
-                if key != "step":
-                    assert value.dtype == dtype and type(value) is type(before[key]) or isinstance(
-                        value, (torch.Tensor, oc.EncodedTensor))
-        if preset == "fp32":
+        for (i, key), form in forms.items():  # the same codec, now of the parameter's dtype
+            value = opt.state[list(model.parameters())[i]][key]
+            assert (type(value), getattr(value, "codec", None)) == form and value.dtype == dtype, (i, key)
+        if preset == "fp32" and not fused:
             assert torch.equal(flat(model), flat(ref_model))
-        else:
-            ok = torch.isfinite(flat(ref_model))  # fp16 Adam (eps underflows) goes NaN under torch too
-            assert torch.equal(torch.isfinite(flat(model)), ok)
+        else:  # torch's fp16 Adam goes NaN where eps underflows; the fused kernels compute in fp32
+            ok = torch.isfinite(flat(ref_model))
+            assert torch.isfinite(flat(model)[ok]).all()
             assert (flat(model)[ok] - flat(ref_model)[ok]).abs().max() < 2e-2  # within one update of AdamW
     return row
 
