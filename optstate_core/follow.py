@@ -33,21 +33,22 @@ def _stored_form(value) -> Tuple[torch.dtype, torch.device, bool]:
 
 def changed_params(engine) -> List[tuple]:
     """``(param, info, (old dtype, old device))`` for every parameter whose stored state no longer
-    matches its dtype or device (host-tier state only has to match the dtype)."""
-    out = []
-    state = engine.state
-    for p, info in engine.param_infos():
-        st = state.get(p)
-        if not st or is_dtensor(p):
+    matches its dtype or device (host-tier state only has to match the dtype). One pass over the
+    state per step; parameter descriptions are built only when something changed."""
+    changed = {}
+    for p, st in engine.state.items():
+        if is_dtensor(p):
             continue
         for value in st.values():
             if is_scalar_state(value):
                 continue
             dtype, device, host = _stored_form(value)
             if p.is_meta or dtype != p.dtype or (not host and device != p.device):
-                out.append((p, info, (dtype, device)))
+                changed[id(p)] = (dtype, device)
             break
-    return out
+    if not changed:
+        return []
+    return [(p, info, changed[id(p)]) for p, info in engine.param_infos() if id(p) in changed]
 
 
 def _refuse_if_impossible(changed) -> None:
