@@ -110,6 +110,11 @@ def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
     return value.to(device=param.device)
 
 
+def _fused_fp32_state(value: EncodedTensor, param) -> bool:
+    """The fused path keeps uncompressed state of bf16/fp16 parameters in fp32 on purpose."""
+    return value.codec.lossless and value.dtype == torch.float32 and param.dtype in (torch.bfloat16, torch.float16)
+
+
 def _check_payload(param, key, value: EncodedTensor, what: str) -> None:
     """Every payload tensor has the dtype and shape its codec lays out, real (not meta, not
     sparse) storage on the host or on the parameter's kind of device, and finite scales."""
@@ -210,7 +215,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
             value = unpack_value(value, what, param)
             _check_entry(param, key, value, what, engine.elementwise)
             if isinstance(value, EncodedTensor) and value.dtype != param.dtype and param.is_floating_point() \
-                    and not is_dtensor(param):
+                    and not is_dtensor(param) and not _fused_fp32_state(value, param):
                 # saved for a parameter of another float dtype: like torch, state follows the
                 # parameter's dtype (decoded here, re-encoded by conform() below)
                 value = value.decode(param.device, dtype=param.dtype)

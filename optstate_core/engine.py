@@ -24,7 +24,7 @@ from typing import Dict, Optional
 import torch
 
 from .conform import Conformer
-from .follow import follow_params
+from .follow import follow_params, remember_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
 from .gradients import all_finite, collect, split_nonfinite
@@ -137,6 +137,7 @@ class Engine:
             self.schedule.run(buckets)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         self.step_count += 1
+        remember_params(self)
         self.metrics.h2d_bytes = self.transfers.h2d_bytes
         self.metrics.d2h_bytes = self.transfers.d2h_bytes
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3

@@ -9,11 +9,16 @@ on the host, and only payload parts whose dtype depends on the state's dtype (th
 data) are cast, like ``torch.optim.Optimizer.load_state_dict`` casts raw state. Integer codes and
 scales are kept as they are, so following loses nothing. A parameter moved to the ``meta`` device
 (no values) is refused with a ``ValueError`` naming it, before any state is touched.
+
+A change is detected on the parameter itself: each step ends by remembering every stepped
+parameter's dtype and device (:func:`remember_params`), and the next begins by comparing
+(:func:`follow_params`). The stored state's own dtype is no guide: the fused path keeps fp32 state
+for bf16/fp16 parameters on purpose.
 """
 from __future__ import annotations
 
 import logging
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -25,27 +30,28 @@ from .work import describe_param
 log = logging.getLogger("optstate")
 
 
-def _stored_form(value) -> Tuple[torch.dtype, torch.device, bool]:
-    if isinstance(value, EncodedTensor):
-        return value.dtype, value.device, value.host_tier
-    return value.dtype, value.device, False
+def _forms(engine) -> Dict[torch.Tensor, Tuple[torch.dtype, torch.device]]:
+    """Parameter -> (dtype, device) at its last step; keyed by the tensor like ``optimizer.state``,
+    so it survives deepcopy and pickle along with the parameters."""
+    forms = engine.__dict__.get("param_forms")
+    if forms is None:
+        forms = engine.param_forms = {}
+    return forms
+
+
+def remember_params(engine) -> None:
+    """Record the dtype and device of every parameter that has state and no record yet."""
+    forms = _forms(engine)
+    for p in engine.state:
+        if p not in forms and not is_dtensor(p):
+            forms[p] = (p.dtype, p.device)
 
 
 def changed_params(engine) -> List[tuple]:
-    """``(param, info, (old dtype, old device))`` for every parameter whose stored state no longer
-    matches its dtype or device (host-tier state only has to match the dtype). One pass over the
-    state per step; parameter descriptions are built only when something changed."""
-    changed = {}
-    for p, st in engine.state.items():
-        if is_dtensor(p):
-            continue
-        for value in st.values():
-            if is_scalar_state(value):
-                continue
-            dtype, device, host = _stored_form(value)
-            if p.is_meta or dtype != p.dtype or (not host and device != p.device):
-                changed[id(p)] = (dtype, device)
-            break
+    """``(param, info, (old dtype, old device))`` for every parameter with state whose dtype or
+    device changed since its last step; descriptions are built only when something changed."""
+    changed = {id(p): form for p, form in _forms(engine).items()
+               if (p.dtype, p.device) != form and p in engine.state}
     if not changed:
         return []
     return [(p, info, changed[id(p)]) for p, info in engine.param_infos() if id(p) in changed]
@@ -64,7 +70,7 @@ def _refuse_if_impossible(changed) -> None:
 
 
 def _moved(value, p: torch.Tensor, pin: bool):
-    if isinstance(value, EncodedTensor):
+    if isinstance(value, EncodedTensor):  # codes and scales as they are; a state of the new dtype
         layout = value.codec.payload_layout(*value.slab, p.dtype)
         where = torch.device("cpu") if value.host_tier else p.device
         payload = {k: t.to(device=where, dtype=layout[k][1]) for k, t in value.payload.items()}
@@ -88,6 +94,7 @@ def follow_params(engine) -> None:
         for key, value in list(st.items()):
             if not is_scalar_state(value):
                 st[key] = _moved(value, p, pin)
+        _forms(engine)[p] = (p.dtype, p.device)
         log.info("optstate: %s changed from %s on %s to %s on %s after wrapping; its state follows",
                  describe_param(info), dtype, device, p.dtype, p.device)
     engine.invalidate_plan()
