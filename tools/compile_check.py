@@ -12,7 +12,6 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 
 from optstate_core.kernels.adam import adam_kernel, advance_steps_kernel
-from optstate_core.kernels.nonfinite import nonfinite_flags_kernel
 from optstate_core.kernels.sgd import sgd_kernel
 
 parser = argparse.ArgumentParser()
@@ -65,14 +64,8 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     k = compile_kernel(adam_kernel, s, const)
     n += 1
     print(f"adam m={mk} v={vk} aligned={aligned} first={first} check={check} fast={fast}: {resources(k)}")
-s = sig(advance_steps_kernel, {"FLAGS": "*i32"})
-s["CHECK_FINITE"] = "constexpr"
-compile_kernel(advance_steps_kernel, s, {"CHECK_FINITE": True})
+compile_kernel(advance_steps_kernel, sig(advance_steps_kernel, {}), {})
 for aligned in (True, False):
-    s = sig(nonfinite_flags_kernel, {"FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
-    c = dict(TPOW2=256, P_KIND=0, NBLK=4, ALIGNED=aligned)
-    s.update({k: "constexpr" for k in c})
-    compile_kernel(nonfinite_flags_kernel, s, c)
     s = sig(sgd_kernel, {"step_mix": "i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
@@ -81,4 +74,4 @@ for aligned in (True, False):
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)
     print(f"sgd aligned={aligned}: {resources(k)}")
-print(f"compiled {n + 4} kernels for sm_{args.arch}")
+print(f"compiled {n + 3} kernels for sm_{args.arch}")

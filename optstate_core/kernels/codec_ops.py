@@ -2,7 +2,8 @@
 
 Each function reproduces its torch reference bit for bit on identical inputs: the int8
 minifloat uses only exact multiplies and integer operations on float32 bits, the 4-bit
-codebook compares against the same float32 midpoints after a correctly rounded division, bf16
+codebook compares against the same float32 midpoints (computed from the code for integer
+powers, read from a table otherwise) after a correctly rounded division, bf16
 rounds to nearest even, and stochastic rounding draws from the same counter hash
 (``codecs/rounding.py``). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
 are two per byte (even element in the low nibble).
@@ -133,8 +134,65 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
 
 # -- 4-bit codebook -------------------------------------------------------------------------------
 @triton.jit
+def ipow(k, P: tl.constexpr):
+    """k ** P for a small integer tensor and a constexpr P >= 1."""
+    out = k
+    for _ in tl.static_range(P - 1):
+        out = out * k
+    return out
+
+
+@triton.jit
+def int4_mid(j, SIGNED: tl.constexpr, POW: tl.constexpr):
+    """Midpoint between magnitude levels j and j + 1 (codecs/int4.py int4_midpoints, integer
+    powers): one float32 product of an exact integer, so identical to the torch table."""
+    if SIGNED:
+        out = (ipow(j, POW) + ipow(j + 1, POW)).to(tl.float32) * (0.5 / 7 ** POW)
+    else:
+        out = ipow(j * (j + 1), POW // 2).to(tl.float32) * (1.0 / 15 ** POW)
+    return out
+
+
+@triton.jit
+def decode_int4(c, lut_ptr, SIGNED: tl.constexpr, POW: tl.constexpr):
+    """Values of 4-bit codes (int32 0..15): arithmetic for integer powers, else the table."""
+    if POW == 0:
+        out = tl.load(lut_ptr + c)
+    elif SIGNED:
+        k = tl.abs(c - 7)
+        mag = ipow(k, POW).to(tl.float32) * (1.0 / 7 ** POW)
+        out = tl.where(c < 7, -mag, mag)
+    else:
+        out = ipow(c, POW).to(tl.float32) * (1.0 / 15 ** POW)
+    return out
+
+
+@triton.jit
+def encode_int4_arith(y, r, SIGNED: tl.constexpr, POW: tl.constexpr):
+    """Nearest codes for an integer power: the root-domain estimate ``round(n r)`` is within one
+    of the answer; one exact midpoint comparison on each side (computed, not read) fixes it.
+    Ties follow ``bucketize(y, mids)``: a value equal to a midpoint takes the lower code."""
+    a = tl.abs(y)
+    if SIGNED:
+        k = tl.minimum((r * 7.0 + 0.5).to(tl.int32), 7)
+        pos = y >= 0
+        above = int4_mid(k, SIGNED, POW)
+        below = int4_mid(k - 1, SIGNED, POW)
+        up = (k < 7) & ((above < a) | (~pos & (above == a)))
+        down = (k > 0) & ((a < below) | (pos & (a == below)))
+        k = tl.where(up, k + 1, tl.where(down, k - 1, k))
+        code = tl.where(pos, 7 + k, 7 - k)
+    else:
+        k = tl.minimum((r * 15.0 + 0.5).to(tl.int32), 15)
+        up = (k < 15) & (int4_mid(k, SIGNED, POW) < a)
+        down = (k > 0) & (a <= int4_mid(k - 1, SIGNED, POW))
+        code = tl.where(up, k + 1, tl.where(down, k - 1, k))
+    return code
+
+
+@triton.jit
 def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: tl.constexpr,
-                SR: tl.constexpr, INV_POW: tl.constexpr):
+                SR: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr = 0):
     """Codes (int32) of values normalized by their block absmax (codecs/int4.py codes_of).
 
     Nearest: the level map is ``(j / n) ** p``, so ``round(n * |y| ** (1 / p))`` is within one
@@ -164,14 +222,17 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
             r = tl.sqrt(tl.sqrt(tl.abs(y)))
         else:
             r = tl.exp2(tl.log2(tl.abs(y)) * INV_POW)
-        if SIGNED:
-            idx = (r * 7.0 + 0.5).to(tl.int32)
-            code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
+        if POW != 0:
+            code = encode_int4_arith(y, r, SIGNED, POW)
         else:
-            code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
-        above = tl.load(mids_ptr + code)
-        below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
-        code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
+            if SIGNED:
+                idx = (r * 7.0 + 0.5).to(tl.int32)
+                code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
+            else:
+                code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
+            above = tl.load(mids_ptr + code)
+            below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
+            code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
     return code
 
 
@@ -184,7 +245,7 @@ def per_half(v, NBLK: tl.constexpr):
 # -- load / store one state tile of any kind --------------------------------------------------------
 @triton.jit
 def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr,
-               KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
+               KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr, POW: tl.constexpr = 0):
     """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pbyte`` the packed byte of each
     element ([NBLK, 256]: each byte is read by its two elements, which keeps every array in one
     register layout), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
@@ -199,7 +260,7 @@ def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr
     else:
         b = tl.load(aligned(data_addr, tl.uint8) + pbyte, mask=mask, other=0).to(tl.int32)
         c = (b >> ((tl.arange(0, 256) & 1) * 4)[None, :]) & 15
-        v = tl.load(lut_ptr + c)
+        v = decode_int4(c, lut_ptr, SIGNED, POW)
         s = tl.load(aligned(scale_addr, tl.float32) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
         s = tl.reshape(tl.broadcast_to(tl.reshape(s, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
         return v * s
@@ -208,7 +269,7 @@ def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr
 @triton.jit
 def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, sr_idx, levels_ptr, mids_ptr,
                 KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5):
+                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5, POW: tl.constexpr = 0):
     """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales.
     ``sr_idx``: the elements' indices in the whole tensor (the stochastic rounding counters)."""
     if KIND == FP32:
@@ -234,7 +295,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
             rb = random_bits(key, sr_idx)
         else:
             rb = 0
-        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW)
+        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW, POW)
         codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
         lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
         tl.store(aligned(data_addr, tl.uint8) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
