@@ -57,7 +57,7 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     const = dict(TPOW2=256, IDX32=aligned, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=mk == 2, V_SR=mk in (2, 3), P_SR=False, M_LEVELS=15, V_LEVELS=16,
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
-                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast)
+                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0)
     s = sig(adam_kernel, adam_scalars)
     for c in const:
         s[c] = "constexpr"
@@ -70,7 +70,7 @@ for aligned in (True, False):
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(TPOW2=256, P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
-             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned)
+             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned, M_POW=0)
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)
     print(f"sgd aligned={aligned}: {resources(k)}")

@@ -156,8 +156,7 @@ def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr,
     if CHECK_FINITE:
         bad = tl.max(tl.where(tl.abs(g) < float("inf"), 0, 1), axis=1)  # NaN compares false: bad too
         row_ok = bad == 0
-        if tl.max(bad, axis=0) != 0:
-            tl.atomic_max(FLAGS + t, 1)
+        tl.atomic_max(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)  # per row: no cross-warp step
         if FIRST:
             out = row_ok, mask, pmask, s8, s4mask
         else:
@@ -185,10 +184,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
 
     p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
-    # per-block NaN/inf skip: a block whose gradient is not finite writes nothing (first step:
-    # its state is written as the initial zeros); the tensor's flag counts the event
-    row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g, mask, pmask, s8, s4mask, FLAGS, t,
-                                                         CHECK_FINITE, FIRST)
+    g_in = g
 
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
@@ -234,6 +230,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
     else:  # correctly rounded, as torch
         p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
 
+    # per-block NaN/inf skip, decided after every load is issued: a block whose gradient is
+    # not finite writes nothing (first step: its state is written as the initial zeros)
+    row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
+                                                         CHECK_FINITE, FIRST)
     if CHECK_FINITE and FIRST:  # a skipped block keeps the initial (zero) state
         m = tl.where(row_ok[:, None], m, 0.0)
         v = tl.where(row_ok[:, None], v, 0.0)

@@ -5,7 +5,7 @@ minifloat uses only exact multiplies and integer operations on float32 bits, the
 codebook compares against the same float32 midpoints (computed from the code for integer
 powers, read from a table otherwise) after a correctly rounded division, bf16
 rounds to nearest even, and stochastic rounding draws from the same counter hash
-(``codecs/rounding.py``). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
+(``codecs/rounding.py``: a per-(state, step) key, then two multiplies and a xor-shift per element). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
 are two per byte (even element in the low nibble).
 """
 import triton
@@ -31,14 +31,22 @@ def mix32(x):
 
 
 @triton.jit
+def element_mix(x):
+    """codecs/rounding.py element_mix on uint32 (wrapping multiplies): multiply, xor-shift, multiply."""
+    c = tl.full([], 0x9E3779B1, tl.uint32)
+    y = x * c
+    return (y ^ (y >> 16)) * c
+
+
+@triton.jit
 def random_bits(key, idx):
     """32 random bits (uint32) for element indices, keyed by a uint32 stream key. uint32
     indices (< 2**32) skip the high word, whose mix is 0 (the same bits as the int64 form)."""
     if idx.dtype == tl.uint32:
-        out = mix32(idx ^ key)
+        out = element_mix(idx ^ key)
     else:
         wide = idx.to(tl.int64)
-        out = mix32(((wide & 0xFFFFFFFF).to(tl.uint32) ^ key) + mix32((wide >> 32).to(tl.uint32)))
+        out = element_mix(((wide & 0xFFFFFFFF).to(tl.uint32) ^ key) + mix32((wide >> 32).to(tl.uint32)))
     return out
 
 

@@ -21,7 +21,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
     t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
-    row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE, FIRST)
+    g_in = g
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
     if MAXIMIZE:
@@ -39,6 +39,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
     else:
         g = buf
     p = p - lr * g
+    row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE, FIRST)
     if CHECK_FINITE and FIRST:  # a skipped block starts from a zero buffer
         buf = tl.where(row_ok[:, None], buf, 0.0)
     sr_idx = sr_indices(elem, BASE, t, M_SR, IDX32)
