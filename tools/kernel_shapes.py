@@ -10,7 +10,7 @@ import time
 import torch
 
 import optstate_core as oc
-from optstate_core import fused
+from optstate_core import fused_launch as fused
 
 
 def params(layers: int):
