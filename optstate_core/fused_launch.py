@@ -23,6 +23,9 @@ P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
 NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.environ.get("OPTSTATE_NUM_WARPS", 2)))
+# Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
+# bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
+ITERS = int(os.environ.get("OPTSTATE_ITERS", 4))
 # hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
@@ -74,7 +77,8 @@ class KernelLauncher:
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
         nblk, warps = (NBLK_4BIT, NUM_WARPS_4BIT) if INT4 in plan["kinds"] else (NBLK, NUM_WARPS)
-        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk, device)
+        iters = ITERS if plan["kind"] == "adam" else 1
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk * iters, device)
         P = launch.pointer_table(params, device)
         G = launch.pointer_table(bucket.grad_list(), device)
         # counter-hash seeds of m, v, vmax and the parameter; the kernel mixes in the step
@@ -117,7 +121,7 @@ class KernelLauncher:
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
-                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, **common)
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, **common)
             if advance:
                 self.advance_steps(bucket)
         else:

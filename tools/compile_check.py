@@ -57,7 +57,7 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     const = dict(TPOW2=256, IDX32=aligned, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=mk == 2, V_SR=mk in (2, 3), P_SR=False, M_LEVELS=15, V_LEVELS=16,
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
-                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0)
+                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0, ITERS=4)
     s = sig(adam_kernel, adam_scalars)
     for c in const:
         s[c] = "constexpr"

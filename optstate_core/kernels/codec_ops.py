@@ -151,14 +151,25 @@ def ipow(k, P: tl.constexpr):
 
 
 @triton.jit
-def int4_mid(j, SIGNED: tl.constexpr, POW: tl.constexpr):
-    """Midpoint between magnitude levels j and j + 1 (codecs/int4.py int4_midpoints, integer
-    powers): one float32 product of an exact integer, so identical to the torch table."""
-    if SIGNED:
-        out = (ipow(j, POW) + ipow(j + 1, POW)).to(tl.float32) * (0.5 / 7 ** POW)
+def signed_int4_mid(u, POW: tl.constexpr):
+    """The signed decision boundary between codes i and i + 1 for odd ``u = 2 i - 13``:
+    ``sign(u) (j**p + (j+1)**p) c / 2`` with ``j = (|u| - 1) / 2`` (codecs/int4.py int4_midpoints),
+    computed as one float32 product of an exact integer. |u| = 15 gives a bound beyond +-1, so the
+    first and last codes need no guard."""
+    a = tl.abs(u)
+    if POW == 2:  # j**2 + (j+1)**2 = (u**2 + 1) / 2
+        out = ((a * a + 1) * tl.where(u < 0, -1, 1)).to(tl.float32) * (0.25 / 7 ** POW)
     else:
-        out = ipow(j * (j + 1), POW // 2).to(tl.float32) * (1.0 / 15 ** POW)
+        j = (a - 1) // 2
+        out = ((ipow(j, POW) + ipow(j + 1, POW)) * tl.where(u < 0, -1, 1)).to(tl.float32) * (0.5 / 7 ** POW)
     return out
+
+
+@triton.jit
+def unsigned_int4_mid(j, POW: tl.constexpr):
+    """The boundary between codes j and j + 1 of the non-negative map: (j (j+1))**(p/2) c (0 for
+    j = -1 and 0, beyond 1 for j = 15)."""
+    return ipow(j * (j + 1), POW // 2).to(tl.float32) * (1.0 / 15 ** POW)
 
 
 @triton.jit
@@ -167,9 +178,12 @@ def decode_int4(c, lut_ptr, SIGNED: tl.constexpr, POW: tl.constexpr):
     if POW == 0:
         out = tl.load(lut_ptr + c)
     elif SIGNED:
-        k = tl.abs(c - 7)
-        mag = ipow(k, POW).to(tl.float32) * (1.0 / 7 ** POW)
-        out = tl.where(c < 7, -mag, mag)
+        d = c - 7
+        if POW == 2:
+            out = (d * tl.abs(d)).to(tl.float32) * (1.0 / 7 ** POW)
+        else:
+            mag = ipow(tl.abs(d), POW).to(tl.float32) * (1.0 / 7 ** POW)
+            out = tl.where(d < 0, -mag, mag)
     else:
         out = ipow(c, POW).to(tl.float32) * (1.0 / 15 ** POW)
     return out
@@ -177,24 +191,18 @@ def decode_int4(c, lut_ptr, SIGNED: tl.constexpr, POW: tl.constexpr):
 
 @triton.jit
 def encode_int4_arith(y, r, SIGNED: tl.constexpr, POW: tl.constexpr):
-    """Nearest codes for an integer power: the root-domain estimate ``round(n r)`` is within one
-    of the answer; one exact midpoint comparison on each side (computed, not read) fixes it.
-    Ties follow ``bucketize(y, mids)``: a value equal to a midpoint takes the lower code."""
-    a = tl.abs(y)
+    """Nearest codes for an integer power, ``bucketize(y, mids)`` exactly: the root-domain
+    estimate (``r`` = |y| ** (1/p)) is within one code of it; one comparison with the computed
+    boundary on each side fixes it (a value equal to a boundary takes the lower code)."""
     if SIGNED:
-        k = tl.minimum((r * 7.0 + 0.5).to(tl.int32), 7)
-        pos = y >= 0
-        above = int4_mid(k, SIGNED, POW)
-        below = int4_mid(k - 1, SIGNED, POW)
-        up = (k < 7) & ((above < a) | (~pos & (above == a)))
-        down = (k > 0) & ((a < below) | (pos & (a == below)))
-        k = tl.where(up, k + 1, tl.where(down, k - 1, k))
-        code = tl.where(pos, 7 + k, 7 - k)
+        est = (tl.where(y < 0, -r, r) * 7.0 + 7.5).to(tl.int32)  # in [0, 14]: y is clamped to [-1, 1]
+        u = 2 * est - 13
+        code = est - (y <= signed_int4_mid(u - 2, POW)).to(tl.int32) + (y > signed_int4_mid(u, POW)).to(tl.int32)
     else:
-        k = tl.minimum((r * 15.0 + 0.5).to(tl.int32), 15)
-        up = (k < 15) & (int4_mid(k, SIGNED, POW) < a)
-        down = (k > 0) & (a <= int4_mid(k - 1, SIGNED, POW))
-        code = tl.where(up, k + 1, tl.where(down, k - 1, k))
+        est = (r * 15.0 + 0.5).to(tl.int32)  # in [0, 15]
+        code = est - (y <= unsigned_int4_mid(est - 1, POW)).to(tl.int32) + \
+            (y > unsigned_int4_mid(est, POW)).to(tl.int32)
+        code = tl.maximum(code, 0)
     return code
 
 

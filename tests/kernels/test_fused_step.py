@@ -180,6 +180,27 @@ def test_nonfinite_skip_of_streamed_state_matches_resident():
     assert streamed.memory_report()["nonfinite_skipped"] == 2
 
 
+def test_tiles_per_program_do_not_change_results(monkeypatch):
+    """ITERS tiles per program (a loop in the kernel) give bit-identical parameters and states."""
+    from optstate_core import fused_launch
+
+    out = []
+    for iters in (1, 3):
+        monkeypatch.setattr(fused_launch, "ITERS", iters)
+        ps = params()
+        opt = build(ps, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), policy("int8", "int4"), fused=True)
+        for s in range(2):
+            set_grads(ps, s)
+            opt.step()
+        out.append((ps, opt))
+    (ps1, o1), (ps3, o3) = out
+    for p, q in zip(ps1, ps3):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = o1.state[p][key], o3.state[q][key]
+            assert all(torch.equal(a.payload[n], b.payload[n]) for n in a.payload)
+
+
 def test_fallback_is_logged_once(caplog):
     ps = params()
     opt = build(ps, torch.optim.AdamW, dict(lr=1e-2), policy("int8", "int8"), fused=None if DEVICE == "cpu" else False)
