@@ -180,6 +180,28 @@ def test_nonfinite_skip_of_streamed_state_matches_resident():
     assert streamed.memory_report()["nonfinite_skipped"] == 2
 
 
+def test_sgd_nonfinite_gradient_skips_its_block():
+    ps, qs = params(), params()
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", min_int8_elements=0)  # noqa: E731
+    ref, opt = (build(x, torch.optim.SGD, dict(lr=0.1, momentum=0.9), pol(), fused=True) for x in (ps, qs))
+    for x, o in ((ps, ref), (qs, opt)):
+        set_grads(x, 0)
+        o.step()
+        set_grads(x, 1)
+    ps[0].grad[5, 300] = 0.0
+    qs[0].grad[5, 300] = float("nan")
+    before, buf = qs[0].detach().clone(), opt.state[qs[0]]["momentum_buffer"].decode()
+    ref.step()
+    opt.step()
+    sk = torch.zeros(qs[0].shape, dtype=torch.bool, device=DEVICE)
+    sk[5, 256:512] = True
+    assert torch.equal(qs[0][sk], before[sk]) and torch.equal(qs[0][~sk], ps[0][~sk])
+    got = opt.state[qs[0]]["momentum_buffer"].decode()
+    assert torch.equal(got[sk], buf[sk]) and torch.equal(got[~sk], ref.state[ps[0]]["momentum_buffer"].decode()[~sk])
+    assert all(torch.equal(p, q) for p, q in zip(ps[1:], qs[1:]))
+    assert opt.memory_report()["nonfinite_skipped"] == 1
+
+
 def test_tiles_per_program_do_not_change_results(monkeypatch):
     """ITERS tiles per program (a loop in the kernel) give bit-identical parameters and states."""
     from optstate_core import fused_launch
