@@ -24,11 +24,12 @@ from typing import Dict, Optional
 import torch
 
 from .conform import Conformer
+from . import passthrough_skip
 from .follow import follow_params, remember_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
 from .gradients import all_finite, collect, split_nonfinite
-from .inner import ELEMENTWISE, run_inner
+from .inner import ELEMENTWISE
 from .placement import Placement
 from .policy import ParamInfo, Policy
 from .schedule import StepSchedule
@@ -130,7 +131,7 @@ class Engine:
             buckets, passthrough = cached
             if passthrough:
                 t = time.perf_counter()
-                run_inner(self.inner, passthrough, self.state)
+                passthrough_skip.step(self, passthrough)
                 self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if buckets:
             t = time.perf_counter()
@@ -164,14 +165,16 @@ class Engine:
                 plan = self.fused.plan(w, allow_uncompressed=True)
                 (fused.append((w, plan)) if plan is not None else still.append(w))
             passthrough = still
-        if self.skip_nonfinite and (passthrough or tiled):  # the fused path flags on the device
-            kept = {id(w) for w in self._drop_nonfinite(passthrough + tiled)}
-            passthrough = [w for w in passthrough if id(w) in kept]
+        on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
+        checked = tiled if on_device else passthrough + tiled  # the fused paths skip on the device
+        if self.skip_nonfinite and checked:
+            kept = {id(w) for w in self._drop_nonfinite(checked)}
+            passthrough = [w for w in passthrough if on_device or id(w) in kept]
             tiled = [w for w in tiled if id(w) in kept]
         buckets = self.fused.build(fused) if fused else []
         if passthrough:
             t = time.perf_counter()
-            run_inner(self.inner, [(w.key, w.state, w.info.group_index) for w in passthrough], self.state)
+            passthrough_skip.step(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if tiled:
             self.tiled.run(tiled, update=True)
@@ -209,7 +212,8 @@ class Engine:
             g = p.grad
             if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
                 return None
-        if items and self.skip_nonfinite and not all_finite([p.grad for p, _, _ in items]):
+        if items and self.skip_nonfinite and not passthrough_skip.applies(self, items) \
+                and not all_finite([p.grad for p, _, _ in items]):
             return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
         return buckets, items

@@ -1,7 +1,8 @@
 """Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf flags, step counters.
 
-One launch covers every parameter of a bucket. NaN/inf gradients are flagged on the device and
-their parameters skipped inside the kernel, so a fused step never synchronises with the host.
+One launch covers every parameter of a bucket. A 256-element block whose gradient holds a NaN/inf
+is skipped inside the update kernel (README: NaN/inf gradients) and its parameter's flag raised,
+so a fused step never synchronises with the host and needs no collective.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 
 from .codecs import Int4Codec
 from .codecs.rounding import state_seed, step_mix
-from .dtensor import agree_on_flags, any_distributed
 from .kernels import launch
 
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
@@ -23,6 +23,9 @@ P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
 NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.environ.get("OPTSTATE_NUM_WARPS", 2)))
+# Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
+# bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
+ITERS = int(os.environ.get("OPTSTATE_ITERS", 4))
 # hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
@@ -40,37 +43,33 @@ class KernelLauncher:
         """Forget cached launch tables (they hold device pointers of freed state)."""
         launch.clear_caches()
 
-    def nonfinite_flags(self, bucket):
-        """Per-parameter NaN/inf flags of a whole bucket (device tensor), or None if unchecked."""
-        from .kernels.nonfinite import nonfinite_flags_kernel  # Triton is imported only when a kernel runs
-
+    def new_flags(self, bucket):
+        """Zeroed per-parameter flags that the kernels raise for a parameter with a block skipped
+        for a non-finite gradient (None when unchecked). No pre-pass, no host synchronisation, no
+        collective: each rank decides for the blocks it holds (README: NaN/inf gradients)."""
         if not self.engine.skip_nonfinite:
             return None
-        device, n = bucket.params[0].device, len(bucket.params)
-        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, NBLK, device)
-        flags = torch.zeros(n, dtype=torch.int32, device=device)
-        G = launch.pointer_table(bucket.grad_list(), device)
-        nonfinite_flags_kernel[(n_prog,)](G, flags, cols, nbr, nblocks, prog_start, n_t, tpow2,
-                                          P_KIND=P_KINDS[bucket.params[0].dtype], NBLK=NBLK, ALIGNED=bucket.aligned,
-                                          num_warps=NUM_WARPS)
-        if any_distributed(bucket.keys):
-            agree_on_flags(flags)
+        return torch.zeros(len(bucket.params), dtype=torch.int32, device=bucket.params[0].device)
+
+    def count_skipped(self, flags) -> None:
+        """Add a launch's raised flags to the device counter (read when metrics are asked for)."""
+        if flags is None:
+            return
         total = flags.sum()
         self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
-        return flags
 
-    def advance_steps(self, bucket, flags) -> None:
-        """Advance the bucket's per-parameter step counters on the device (not for skipped ones)."""
+    def advance_steps(self, bucket) -> None:
+        """Advance the bucket's per-parameter step counters on the device (blocks skipped for a
+        non-finite gradient do not hold a parameter's step back)."""
         from .kernels.adam import advance_steps_kernel
 
         if bucket.plan["kind"] == "adam":
-            dummy = flags if flags is not None else torch.zeros(1, dtype=torch.int32, device=bucket.params[0].device)
-            advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device), dummy,
-                                                        CHECK_FINITE=flags is not None)
+            advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device))
 
     def launch(self, bucket, flags=None, advance: bool = True) -> None:
-        """One launch of the update kernel over a bucket. ``flags``: per-parameter NaN/inf
-        flags computed beforehand (streamed chunks); otherwise computed here."""
+        """One launch of the update kernel over a bucket. ``flags``: the parent bucket's
+        per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
+        launch has and counts its own."""
         from .kernels.adam import adam_kernel
         from .kernels.sgd import sgd_kernel
 
@@ -78,7 +77,8 @@ class KernelLauncher:
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
         nblk, warps = (NBLK_4BIT, NUM_WARPS_4BIT) if INT4 in plan["kinds"] else (NBLK, NUM_WARPS)
-        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk, device)
+        iters = ITERS if plan["kind"] == "adam" else 1
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk * iters, device)
         P = launch.pointer_table(params, device)
         G = launch.pointer_table(bucket.grad_list(), device)
         # counter-hash seeds of m, v, vmax and the parameter; the kernel mixes in the step
@@ -86,12 +86,10 @@ class KernelLauncher:
         step_mix_value = step_mix(engine.step_count)
         BASE = launch.cached_table(bucket.bases, device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
-        if check and flags is None:
-            flags = self.nonfinite_flags(bucket)
-        elif check:
-            flags = flags[bucket.param_index(device)]  # per piece: its parameter's flag
+        parent_flags = flags
+        flags = self.new_flags(bucket) if check else None
         if flags is None:
-            flags = torch.zeros(1, dtype=torch.int32, device=device)
+            flags = _dummy_flags(device)
         p_kind = P_KINDS[params[0].dtype]
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
@@ -122,16 +120,21 @@ class KernelLauncher:
                 P_SR=self.stochastic_param_rounding and p_kind == 1,
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
-                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, **common)
+                M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, **common)
             if advance:
-                self.advance_steps(bucket, flags if check else None)
+                self.advance_steps(bucket)
         else:
             sgd_kernel[(n_prog,)](
                 P, G, M, MS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
-                M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), NESTEROV=bool(group["nesterov"]),
-                **common)
+                M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
+                NESTEROV=bool(group["nesterov"]), **common)
+        if check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
+            parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
+        elif check:
+            self.count_skipped(flags)
         bucket.first = False if advance else bucket.first
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1
@@ -153,6 +156,11 @@ class KernelLauncher:
         return 1.0 / codec.effective_power if isinstance(codec, Int4Codec) else 0.5
 
     @staticmethod
+    def _int_power(codec) -> int:
+        """The 4-bit codec's integer power (arithmetic decode/encode in the kernels), else 0."""
+        return codec.integer_power if isinstance(codec, Int4Codec) else 0
+
+    @staticmethod
     def _n_levels(codec) -> int:
         return len(codec.levels) if isinstance(codec, Int4Codec) else 2
 
@@ -166,6 +174,13 @@ class KernelLauncher:
 
 
 _DUMMIES: Dict[str, torch.Tensor] = {}
+
+
+def _dummy_flags(device) -> torch.Tensor:
+    key = f"flags:{device}"
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _DUMMIES[key]
 
 
 def _dummy(device) -> torch.Tensor:

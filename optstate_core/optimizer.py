@@ -40,8 +40,11 @@ class VirtualOptimizer(torch.optim.Optimizer):
         initial_chunk_size: a smaller count for the first chunk of the first step.
         chunk_size_on_cuda: torch-optstate compatibility: ``chunk_size`` when params are on CUDA.
         pin_memory: pin host-tier state (default: when parameters are on CUDA).
-        skip_nonfinite: if a parameter's gradient holds NaN/inf, leave that parameter and its
-            state untouched and count the event (default True). ``False`` behaves like torch.
+        skip_nonfinite: a NaN/inf gradient value never reaches a parameter or a state, and
+            the event is counted (default True): the fused kernels leave the 256-element block
+            holding it untouched, torch's fused Adam/AdamW on fp32 state skips its whole call,
+            the reference path the parameter (README: NaN/inf gradients). ``False`` behaves
+            like torch.
         seed: seed of the counter-based hash used by stochastic rounding.
         elementwise: whether the inner update is elementwise (tiles allowed). Default: known
             for torch.optim's elementwise optimizers, False for any other optimizer.

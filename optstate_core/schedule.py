@@ -114,7 +114,7 @@ class StepSchedule:
         self.step_writeback = self.last_writeback
         work = []
         for b in streamed:
-            flags = kernels.nonfinite_flags(b)
+            flags = kernels.new_flags(b)
             pre = [(i, 0, b.rows[i]) for i, k in enumerate(b.keys) if id(k) in self.prefetched]
             work.append((b, flags, pre))
         for b, flags, pre in work:
@@ -125,7 +125,8 @@ class StepSchedule:
             rest = [i for i in range(len(b.params)) if i not in done]
             for chunk in b.chunks(rest, ring.size // 2):
                 self._stream_chunk(b, flags, chunk, prefetched=False)
-            kernels.advance_steps(b, flags)
+            kernels.advance_steps(b)
+            kernels.count_skipped(flags)
             b.first = False
             self.engine.metrics.fused_params += len(b.params)
         self.prefetched_bytes = 0

@@ -12,7 +12,6 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 
 from optstate_core.kernels.adam import adam_kernel, advance_steps_kernel
-from optstate_core.kernels.nonfinite import nonfinite_flags_kernel
 from optstate_core.kernels.sgd import sgd_kernel
 
 parser = argparse.ArgumentParser()
@@ -58,27 +57,21 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     const = dict(TPOW2=256, IDX32=aligned, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=mk == 2, V_SR=mk in (2, 3), P_SR=False, M_LEVELS=15, V_LEVELS=16,
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
-                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast)
+                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0, ITERS=4)
     s = sig(adam_kernel, adam_scalars)
     for c in const:
         s[c] = "constexpr"
     k = compile_kernel(adam_kernel, s, const)
     n += 1
     print(f"adam m={mk} v={vk} aligned={aligned} first={first} check={check} fast={fast}: {resources(k)}")
-s = sig(advance_steps_kernel, {"FLAGS": "*i32"})
-s["CHECK_FINITE"] = "constexpr"
-compile_kernel(advance_steps_kernel, s, {"CHECK_FINITE": True})
+compile_kernel(advance_steps_kernel, sig(advance_steps_kernel, {}), {})
 for aligned in (True, False):
-    s = sig(nonfinite_flags_kernel, {"FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
-    c = dict(TPOW2=256, P_KIND=0, NBLK=4, ALIGNED=aligned)
-    s.update({k: "constexpr" for k in c})
-    compile_kernel(nonfinite_flags_kernel, s, c)
     s = sig(sgd_kernel, {"step_mix": "i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(TPOW2=256, P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
-             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned)
+             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned, M_POW=0)
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)
     print(f"sgd aligned={aligned}: {resources(k)}")
-print(f"compiled {n + 4} kernels for sm_{args.arch}")
+print(f"compiled {n + 3} kernels for sm_{args.arch}")

@@ -8,7 +8,11 @@
 
 Element ``2i`` of a row goes to the low nibble of byte ``i``, element ``2i + 1`` to the high
 nibble. Encoding is ``bucketize(x * (1 / absmax))`` against fixed float32 midpoints; the Triton
-kernel uses the same midpoints and the same rounded reciprocal, so codes are identical.
+kernel uses the same midpoints and the same rounded reciprocal, so codes are identical. With the
+default (integer) powers every level and midpoint is an exact integer times one float32
+constant, so the kernels decode and encode with a few arithmetic instructions and no table.
+(Before 2026-11-23 the midpoints were float32 means of the rounded levels; the levels, hence
+the decoding of stored codes, are unchanged, and the boundaries moved by at most an ulp.)
 """
 from __future__ import annotations
 
@@ -35,9 +39,39 @@ def int4_levels(signed: bool, power: float) -> torch.Tensor:
     return mags
 
 
-def int4_midpoints(levels: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Decision boundaries in float32 arithmetic: arithmetic means (signed), geometric means
-    (non-negative; the first boundary is 0 so a positive value never rounds to zero)."""
+def integer_power(signed: bool, power: float) -> int:
+    """``power`` when the levels and midpoints are exact integers times one float32 constant
+    (so the kernels compute them arithmetically, without tables), else 0: signed levels need
+    ``2 * 7**p < 2**24``, non-negative ones an even ``p`` with ``15**p < 2**24``."""
+    if not float(power).is_integer() or power < 1:
+        return 0
+    p = int(power)
+    if signed:
+        return p if 2 * 7 ** p < 2 ** 24 else 0
+    return p if p % 2 == 0 and 15 ** p < 2 ** 24 else 0
+
+
+def int4_scale(signed: bool, power: float) -> float:
+    """float32(1 / n**p): the constant every level is an integer multiple of (integer powers)."""
+    n = 7 if signed else 15
+    return float(torch.tensor(1.0 / n ** power, dtype=torch.float32))
+
+
+def int4_midpoints(levels: torch.Tensor, signed: bool, power: float = 0.0) -> torch.Tensor:
+    """Decision boundaries: arithmetic means (signed), geometric means (non-negative; the first
+    boundary is 0 so a positive value never rounds to zero).
+
+    For an :func:`integer_power` both are one correctly rounded float32 product of an exact
+    integer, ``(j**p + (j+1)**p) * (c / 2)`` and ``(j (j+1))**(p/2) * c`` with ``c = 1 / n**p``,
+    which the kernels compute from ``j`` alone (no table read); otherwise float32 arithmetic
+    on the levels."""
+    p = integer_power(signed, power)
+    if p:
+        c = int4_scale(signed, power)
+        j = torch.arange(0, 7 if signed else 15, dtype=torch.int64)
+        ints = j ** p + (j + 1) ** p if signed else (j * (j + 1)) ** (p // 2)
+        mags = ints.float() * torch.tensor(c * 0.5 if signed else c, dtype=torch.float32)
+        return torch.cat([-mags.flip(0), mags]) if signed else mags
     if signed:
         return (levels[1:] + levels[:-1]) * 0.5
     return torch.sqrt(levels[1:] * levels[:-1])
@@ -66,7 +100,8 @@ class Int4Codec(Codec):
         is_signed = signed is not False
         self.effective_power = float(power or (2.0 if is_signed else 4.0))
         self.levels = int4_levels(is_signed, self.effective_power)
-        self.midpoints = int4_midpoints(self.levels, is_signed)
+        self.midpoints = int4_midpoints(self.levels, is_signed, self.effective_power)
+        self.integer_power = integer_power(is_signed, self.effective_power)
         self._tables = {}
 
     def config(self):
@@ -93,6 +128,8 @@ class Int4Codec(Codec):
         if key not in self._tables:
             lut = torch.zeros(16)
             lut[: len(self.levels)] = self.levels
+            if self.integer_power and self.is_signed:  # the kernels' arithmetic decode of code 15
+                lut[15] = 8.0 ** self.integer_power * int4_scale(True, self.effective_power)
             mids = torch.full((16,), float("inf"))
             mids[: len(self.midpoints)] = self.midpoints
             self._tables[key] = (self.levels.to(device), mids.to(device), lut.to(device))

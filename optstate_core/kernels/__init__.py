@@ -3,7 +3,6 @@
 * ``codec_ops.py``  decode/encode of state tiles (twins: ``optstate_core/codecs``)
 * ``adam.py``       fused Adam/AdamW step (twin: the engine's tiled path with torch.optim.Adam)
 * ``sgd.py``        fused SGD-with-momentum step (twin: tiled path with torch.optim.SGD)
-* ``nonfinite.py``  per-tensor NaN/inf flags (twin: ``torch.isfinite(g).all()``)
 * ``launch.py``     pointer tables and work lists
 
 Kernels import nothing from the engine. On a machine without a GPU they run under

@@ -1,7 +1,8 @@
 """Fused Adam/AdamW step on encoded state: decode -> exact torch update -> encode, one pass.
 
 One launch covers many tensors (pointer tables, see ``launch.py``); each program updates
-``NBLK`` tiles of 256 elements of one tensor. The update follows ``torch.optim.Adam``'s
+``ITERS`` x ``NBLK`` tiles of 256 elements of one tensor, ``NBLK`` at a time in a loop (the
+per-program work, table reads and bias corrections, is shared by ``ITERS`` tiles). The update follows ``torch.optim.Adam``'s
 single-tensor arithmetic (maximize, L2 or decoupled weight decay, lerp for the first moment,
 amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device, so
 no host synchronisation or host-side step value is needed (the step is CUDA-graph friendly).
@@ -11,7 +12,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 import triton
 import triton.language as tl
 
-from .codec_ops import bf16_grid, load_state, mix32, random_bits, store_state
+from .codec_ops import bf16_grid, load_state, mix32, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
@@ -146,6 +147,29 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 
 @triton.jit
+def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr, FIRST: tl.constexpr):
+    """Per-block NaN/inf verdict of a [NBLK, 256] gradient tile and the store masks it implies:
+    (row_ok [NBLK], element mask, packed-byte mask, int8 scale offsets (-1: skip), int4 scale mask).
+
+    A block (one 256-element row of the tile) with a non-finite gradient value (or |g| >= 2**64) is not written;
+    on a first step its state is still written (as zeros, the state it would have been created
+    with), so only the parameter store is masked then. ``FLAGS[t]`` is raised for the count."""
+    if CHECK_FINITE:
+        # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32); NaN compares false: bad too
+        bad = tl.max(tl.where(tl.abs(g) < 18446744073709551616.0, 0, 1), axis=1)
+        row_ok = bad == 0
+        tl.atomic_max(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)  # per row: no cross-warp step
+        if FIRST:
+            out = row_ok, mask, pmask, s8, s4mask
+        else:
+            out = (row_ok, mask & row_ok[:, None], pmask & row_ok[:, None], tl.where(row_ok, s8, -1),
+                   s4mask & row_ok[:, None])
+    else:
+        out = tl.full(s8.shape, 1, tl.int1), mask, pmask, s8, s4mask
+    return out
+
+
+@triton.jit
 def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
@@ -156,16 +180,13 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
                 AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
-                IDX32: tl.constexpr = False):
+                IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, V_POW: tl.constexpr = 0,
+                ITERS: tl.constexpr = 1):
     pid = tl.program_id(0)
-    t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
-    if CHECK_FINITE:
-        if tl.load(FLAGS + t) != 0:
-            return
-    elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
-
-    p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
-
+    t, b_first = program_tile(pid, PROG_START, N_TENSORS, NBLK * ITERS, TPOW2)
+    # per program (one tensor): pointers, bias corrections, rounding keys
+    p_ptr = param_pointer(tl.load(P + t), P_KIND)
+    g_ptr = param_pointer(tl.load(G + t), P_KIND)
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
     step = tl.load(tl.load(STEPS + t).to(tl.pointer_type(tl.float32))) + 1.0
@@ -173,64 +194,79 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
     bc2_sqrt = tl.sqrt_rn(one_minus_pow(step, ln_beta2))
     step_size = tl.math.div_rn(lr, bc1)
     inv_bc2_sqrt = 1.0 / bc2_sqrt
-
-    if MAXIMIZE:
-        g = -g
-    if DECOUPLED:
-        p = p * (1.0 - lr * weight_decay)
-    else:
-        g = g + weight_decay * p
-
     m_addr = tl.load(M + t)
     ms_addr = tl.load(MS + t)
     v_addr = tl.load(V + t)
     vs_addr = tl.load(VS + t)
-    if FIRST:
-        m = tl.zeros(p.shape, dtype=tl.float32)
-        v = tl.zeros(p.shape, dtype=tl.float32)
-    else:
-        m = load_state(m_addr, ms_addr, elem, mask, pbyte, s8, s4, s4mask, m_lut, M_KIND, True, NBLK)
-        v = load_state(v_addr, vs_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK)
-
-    m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
-    v = v * beta2 + (one_minus_beta2 * g) * g
-    if AMSGRAD:
-        vm_addr = tl.load(VM + t)
-        vms_addr = tl.load(VMS + t)
-        if FIRST:
-            vmax = v
-        else:
-            vmax = load_state(vm_addr, vms_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK)
-            vmax = tl.maximum(vmax, v)
-        vv = vmax
-    else:
-        vv = v
-    if FAST_MATH:  # approximate sqrt and division (a few ulp), fewer instructions
-        p = p - step_size * (m / (tl.sqrt(vv) * inv_bc2_sqrt + eps))
-    else:  # correctly rounded, as torch
-        p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
-
-    sr_idx = sr_indices(elem, BASE, t, M_SR or V_SR or P_SR, IDX32)
+    vm_addr = tl.load(VM + t)
+    vms_addr = tl.load(VMS + t)
     m_key = state_key(SEEDS, 4 * t, step_mix)
     v_key = state_key(SEEDS, 4 * t + 1, step_mix)
-    store_state(m, m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_key, sr_idx, m_levels, m_mids,
-                M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW)
-    store_state(v, v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_key, sr_idx, v_levels, v_mids,
-                V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
-    if AMSGRAD:
-        vm_key = state_key(SEEDS, 4 * t + 2, step_mix)
-        store_state(vmax, vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, vm_key, sr_idx, v_levels,
-                    v_mids,
-                    V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW)
-    store_param(p, p_ptr, elem, sr_idx, mask, state_key(SEEDS, 4 * t + 3, step_mix), P_KIND, P_SR)
+    vm_key = state_key(SEEDS, 4 * t + 2, step_mix)
+    p_key = state_key(SEEDS, 4 * t + 3, step_mix)
+    # ITERS consecutive [NBLK, 256] tiles of that tensor (a loop: registers stay those of one tile)
+    for it in range(ITERS):
+        elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b_first + it * NBLK, COLS, NBR, NBLOCKS,
+                                                                      NBLK, ALIGNED)
+        p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+        g_in = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+        g = g_in
+        if MAXIMIZE:
+            g = -g
+        if DECOUPLED:
+            p = p * (1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        if FIRST:
+            m = tl.zeros(p.shape, dtype=tl.float32)
+            v = tl.zeros(p.shape, dtype=tl.float32)
+        else:
+            m = load_state(m_addr, ms_addr, elem, mask, pbyte, s8, s4, s4mask, m_lut, M_KIND, True, NBLK, M_POW)
+            v = load_state(v_addr, vs_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK, V_POW)
+        m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
+        v = v * beta2 + (one_minus_beta2 * g) * g
+        if AMSGRAD:
+            if FIRST:
+                vmax = v
+            else:
+                vmax = load_state(vm_addr, vms_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK,
+                                  V_POW)
+                vmax = tl.maximum(vmax, v)
+            vv = vmax
+        else:
+            vmax = v
+            vv = v
+        if FAST_MATH:  # approximate sqrt and division (a few ulp), fewer instructions
+            p = p - step_size * (m / (tl.sqrt(vv) * inv_bc2_sqrt + eps))
+        else:  # correctly rounded, as torch
+            p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
+
+        # per-block NaN/inf skip, decided after every load is issued: a block whose gradient is
+        # not finite writes nothing (first step: its state is written as the initial zeros)
+        row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
+                                                             CHECK_FINITE, FIRST)
+        if CHECK_FINITE and FIRST:  # a skipped block keeps the initial (zero) state
+            m = tl.where(row_ok[:, None], m, 0.0)
+            v = tl.where(row_ok[:, None], v, 0.0)
+            if AMSGRAD:
+                vmax = tl.where(row_ok[:, None], vmax, 0.0)
+        sr_idx = sr_indices(elem, BASE, t, M_SR or V_SR or P_SR, IDX32)
+        store_state(m, m_addr, ms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, m_key, sr_idx, m_levels,
+                    m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW, M_POW)
+        store_state(v, v_addr, vs_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, v_key, sr_idx, v_levels,
+                    v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW)
+        if AMSGRAD:
+            store_state(vmax, vm_addr, vms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, vm_key, sr_idx,
+                        v_levels, v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW)
+        if CHECK_FINITE:
+            p_mask = mask & row_ok[:, None]
+        store_param(p, p_ptr, elem, sr_idx, p_mask, p_key, P_KIND, P_SR)
 
 
 @triton.jit
-def advance_steps_kernel(STEPS, FLAGS, CHECK_FINITE: tl.constexpr):
-    """state['step'] += 1 for every tensor of the launch, except those skipped as non-finite."""
+def advance_steps_kernel(STEPS):
+    """state['step'] += 1 for every tensor of the launch (blocks skipped for a non-finite
+    gradient do not hold the step back: the tensor as a whole took it)."""
     t = tl.program_id(0)
     ptr = tl.load(STEPS + t).to(tl.pointer_type(tl.float32))
-    inc = 1.0
-    if CHECK_FINITE:
-        inc = tl.where(tl.load(FLAGS + t) != 0, 0.0, 1.0)
-    tl.store(ptr, tl.load(ptr) + inc)
+    tl.store(ptr, tl.load(ptr) + 1.0)

@@ -2,9 +2,10 @@
 
 Each function reproduces its torch reference bit for bit on identical inputs: the int8
 minifloat uses only exact multiplies and integer operations on float32 bits, the 4-bit
-codebook compares against the same float32 midpoints after a correctly rounded division, bf16
+codebook compares against the same float32 midpoints (computed from the code for integer
+powers, read from a table otherwise) after a correctly rounded division, bf16
 rounds to nearest even, and stochastic rounding draws from the same counter hash
-(``codecs/rounding.py``). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
+(``codecs/rounding.py``: a per-(state, step) key, then two multiplies and a xor-shift per element). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
 are two per byte (even element in the low nibble).
 """
 import triton
@@ -30,14 +31,22 @@ def mix32(x):
 
 
 @triton.jit
+def element_mix(x):
+    """codecs/rounding.py element_mix on uint32 (wrapping multiplies): multiply, xor-shift, multiply."""
+    c = tl.full([], 0x9E3779B1, tl.uint32)
+    y = x * c
+    return (y ^ (y >> 16)) * c
+
+
+@triton.jit
 def random_bits(key, idx):
     """32 random bits (uint32) for element indices, keyed by a uint32 stream key. uint32
     indices (< 2**32) skip the high word, whose mix is 0 (the same bits as the int64 form)."""
     if idx.dtype == tl.uint32:
-        out = mix32(idx ^ key)
+        out = element_mix(idx ^ key)
     else:
         wide = idx.to(tl.int64)
-        out = mix32(((wide & 0xFFFFFFFF).to(tl.uint32) ^ key) + mix32((wide >> 32).to(tl.uint32)))
+        out = element_mix(((wide & 0xFFFFFFFF).to(tl.uint32) ^ key) + mix32((wide >> 32).to(tl.uint32)))
     return out
 
 
@@ -133,8 +142,73 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
 
 # -- 4-bit codebook -------------------------------------------------------------------------------
 @triton.jit
+def ipow(k, P: tl.constexpr):
+    """k ** P for a small integer tensor and a constexpr P >= 1."""
+    out = k
+    for _ in tl.static_range(P - 1):
+        out = out * k
+    return out
+
+
+@triton.jit
+def signed_int4_mid(u, POW: tl.constexpr):
+    """The signed decision boundary between codes i and i + 1 for odd ``u = 2 i - 13``:
+    ``sign(u) (j**p + (j+1)**p) c / 2`` with ``j = (|u| - 1) / 2`` (codecs/int4.py int4_midpoints),
+    computed as one float32 product of an exact integer. |u| = 15 gives a bound beyond +-1, so the
+    first and last codes need no guard."""
+    a = tl.abs(u)
+    if POW == 2:  # j**2 + (j+1)**2 = (u**2 + 1) / 2
+        out = ((a * a + 1) * tl.where(u < 0, -1, 1)).to(tl.float32) * (0.25 / 7 ** POW)
+    else:
+        j = (a - 1) // 2
+        out = ((ipow(j, POW) + ipow(j + 1, POW)) * tl.where(u < 0, -1, 1)).to(tl.float32) * (0.5 / 7 ** POW)
+    return out
+
+
+@triton.jit
+def unsigned_int4_mid(j, POW: tl.constexpr):
+    """The boundary between codes j and j + 1 of the non-negative map: (j (j+1))**(p/2) c (0 for
+    j = -1 and 0, beyond 1 for j = 15)."""
+    return ipow(j * (j + 1), POW // 2).to(tl.float32) * (1.0 / 15 ** POW)
+
+
+@triton.jit
+def decode_int4(c, lut_ptr, SIGNED: tl.constexpr, POW: tl.constexpr):
+    """Values of 4-bit codes (int32 0..15): arithmetic for integer powers, else the table."""
+    if POW == 0:
+        out = tl.load(lut_ptr + c)
+    elif SIGNED:
+        d = c - 7
+        if POW == 2:
+            out = (d * tl.abs(d)).to(tl.float32) * (1.0 / 7 ** POW)
+        else:
+            mag = ipow(tl.abs(d), POW).to(tl.float32) * (1.0 / 7 ** POW)
+            out = tl.where(d < 0, -mag, mag)
+    else:
+        out = ipow(c, POW).to(tl.float32) * (1.0 / 15 ** POW)
+    return out
+
+
+@triton.jit
+def encode_int4_arith(y, r, SIGNED: tl.constexpr, POW: tl.constexpr):
+    """Nearest codes for an integer power, ``bucketize(y, mids)`` exactly: the root-domain
+    estimate (``r`` = |y| ** (1/p)) is within one code of it; one comparison with the computed
+    boundary on each side fixes it (a value equal to a boundary takes the lower code)."""
+    if SIGNED:
+        est = (tl.where(y < 0, -r, r) * 7.0 + 7.5).to(tl.int32)  # in [0, 14]: y is clamped to [-1, 1]
+        u = 2 * est - 13
+        code = est - (y <= signed_int4_mid(u - 2, POW)).to(tl.int32) + (y > signed_int4_mid(u, POW)).to(tl.int32)
+    else:
+        est = (r * 15.0 + 0.5).to(tl.int32)  # in [0, 15]
+        code = est - (y <= unsigned_int4_mid(est - 1, POW)).to(tl.int32) + \
+            (y > unsigned_int4_mid(est, POW)).to(tl.int32)
+        code = tl.maximum(code, 0)
+    return code
+
+
+@triton.jit
 def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: tl.constexpr,
-                SR: tl.constexpr, INV_POW: tl.constexpr):
+                SR: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr = 0):
     """Codes (int32) of values normalized by their block absmax (codecs/int4.py codes_of).
 
     Nearest: the level map is ``(j / n) ** p``, so ``round(n * |y| ** (1 / p))`` is within one
@@ -164,14 +238,17 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
             r = tl.sqrt(tl.sqrt(tl.abs(y)))
         else:
             r = tl.exp2(tl.log2(tl.abs(y)) * INV_POW)
-        if SIGNED:
-            idx = (r * 7.0 + 0.5).to(tl.int32)
-            code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
+        if POW != 0:
+            code = encode_int4_arith(y, r, SIGNED, POW)
         else:
-            code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
-        above = tl.load(mids_ptr + code)
-        below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
-        code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
+            if SIGNED:
+                idx = (r * 7.0 + 0.5).to(tl.int32)
+                code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
+            else:
+                code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
+            above = tl.load(mids_ptr + code)
+            below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
+            code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
     return code
 
 
@@ -184,7 +261,7 @@ def per_half(v, NBLK: tl.constexpr):
 # -- load / store one state tile of any kind --------------------------------------------------------
 @triton.jit
 def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr,
-               KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
+               KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr, POW: tl.constexpr = 0):
     """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pbyte`` the packed byte of each
     element ([NBLK, 256]: each byte is read by its two elements, which keeps every array in one
     register layout), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
@@ -199,7 +276,7 @@ def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr
     else:
         b = tl.load(aligned(data_addr, tl.uint8) + pbyte, mask=mask, other=0).to(tl.int32)
         c = (b >> ((tl.arange(0, 256) & 1) * 4)[None, :]) & 15
-        v = tl.load(lut_ptr + c)
+        v = decode_int4(c, lut_ptr, SIGNED, POW)
         s = tl.load(aligned(scale_addr, tl.float32) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
         s = tl.reshape(tl.broadcast_to(tl.reshape(s, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
         return v * s
@@ -208,7 +285,7 @@ def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr
 @triton.jit
 def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, sr_idx, levels_ptr, mids_ptr,
                 KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5):
+                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5, POW: tl.constexpr = 0):
     """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales.
     ``sr_idx``: the elements' indices in the whole tensor (the stochastic rounding counters)."""
     if KIND == FP32:
@@ -234,7 +311,7 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
             rb = random_bits(key, sr_idx)
         else:
             rb = 0
-        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW)
+        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW, POW)
         codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
         lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
         tl.store(aligned(data_addr, tl.uint8) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)

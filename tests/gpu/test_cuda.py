@@ -61,13 +61,40 @@ def test_fused_step_in_a_cuda_graph():
 
 
 def test_nonfinite_skip_on_gpu():
+    """Per 256-element block: the block holding the NaN keeps its values, the rest steps."""
     ps, opt = setup("8bit")
     opt.step()
     ps[1].grad[5] = float("nan")
     before = ps[1].detach().clone()
     opt.step()
-    assert torch.equal(ps[1], before)
+    assert torch.equal(ps[1][:256], before[:256])
+    assert (ps[1][256:] != before[256:]).float().mean() > 0.9 and torch.isfinite(ps[1]).all()
     assert opt.memory_report()["nonfinite_skipped"] == 1
+
+
+def test_fp32_passthrough_skips_on_the_device_and_stays_bit_identical():
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-3, fused=True), "fp32")
+    ref = torch.optim.AdamW(qs, lr=1e-3, fused=True)
+    for step in range(4):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn_like(p) * 1e-2
+            q.grad = p.grad.clone()
+        if step == 2:
+            ps[0].grad[3, 3] = float("inf")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if step != 2:
+            ref.step()
+        for p, q in zip(ps, qs):
+            assert torch.equal(p, q), step
+    assert opt.memory_report()["nonfinite_skipped"] == len(SHAPES)
 
 
 def _flat(ps):

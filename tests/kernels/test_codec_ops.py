@@ -20,20 +20,20 @@ NBLK = 2
 @triton.jit
 def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr, levels, mids,
                   KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                  NBLK: tl.constexpr, INV_POW: tl.constexpr):
+                  NBLK: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr):
     t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
     x = tl.load(tl.load(X + t).to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
     store_state(x, tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask,
-                tl.load(KEYS + t).to(tl.uint32), elem, levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW)
+                tl.load(KEYS + t).to(tl.uint32), elem, levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW, POW)
 
 
 @triton.jit
 def decode_kernel(OUT, D, S, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr, lut,
-                  KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr):
+                  KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr, POW: tl.constexpr):
     t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
-    x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pbyte, s8, s4, s4mask, lut, KIND, SIGNED, NBLK)
+    x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pbyte, s8, s4, s4mask, lut, KIND, SIGNED, NBLK, POW)
     tl.store(tl.load(OUT + t).to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
 
 
@@ -62,6 +62,43 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
     xs = inputs(3)
     if nonnegative:
         xs = [x.abs() * 1e-6 for x in xs]
+    check_twin(codec, xs, nonnegative)
+
+
+@pytest.mark.parametrize("nonnegative", [False, True])
+@pytest.mark.parametrize("power", [None, 3.0])
+def test_int4_codes_at_the_midpoints_match_torch(nonnegative, power):
+    """The arithmetic 4-bit encoder at every decision boundary and one float32 step either side
+    (blocks of 128 led by 1.0, so the normalized values are exactly these), and the arithmetic
+    decoder on all 16 codes."""
+    codec = oc.Int4Codec(power=power).specialize(nonnegative)
+    mids = codec.midpoints[torch.isfinite(codec.midpoints)]
+    vals = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 2.0)),
+                      torch.nextafter(mids, torch.full_like(mids, -2.0)), codec.levels])
+    if nonnegative:
+        vals = vals.clamp_min(0)
+    vals = torch.cat([vals, -vals]) if not nonnegative else vals
+    n = vals.numel()
+    x = torch.zeros(-(-n // 127), 128)
+    x[:, 0] = 1.0
+    x[:, 1:].view(-1)[:n] = vals
+    check_twin(codec, [x.reshape(1, -1).to(DEVICE)], nonnegative)
+    if codec.integer_power:  # every code, the arithmetic way, equals the table
+        codes = torch.arange(16, dtype=torch.uint8)
+        packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 8).repeat(1, 8).to(DEVICE)
+        enc = oc.EncodedTensor(codec, {"codes": packed, "scales": torch.ones(1, 1, device=DEVICE)}, (1, 128),
+                               torch.float32)
+        decoded = torch.full((1, 128), 123.0, device=DEVICE)
+        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = tables([(1, 128)])
+        dev = torch.device(DEVICE)
+        decode_kernel[(n_prog,)](launch.pointer_table([decoded], dev), launch.pointer_table([packed], dev),
+                                 launch.pointer_table([enc.payload["scales"]], dev), cols, nbr, nblocks, prog_start,
+                                 n_t, tpow2, codec.tables(dev)[2], KIND=3, SIGNED=not nonnegative, NBLK=NBLK,
+                                 POW=codec.integer_power)
+        torch.testing.assert_close(decoded, enc.decode(), rtol=0, atol=0)
+
+
+def check_twin(codec, xs, nonnegative):
     keys = [12345 + 77 * i for i in range(len(xs))]
     refs = [codec.encode(x, RoundingContext(k, 0, x.numel() // (x.shape[0] if x.dim() >= 2 else 1)))
             for x, k in zip(xs, keys)]
@@ -78,15 +115,16 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
     X = launch.pointer_table(xs, dev)
     levels, mids, lut = codec.tables(dev) if kind == 3 else (torch.zeros(16, device=dev),) * 3
     signed = not nonnegative
+    power = codec.integer_power if kind == 3 else 0  # 0: table decode / midpoints
     encode_kernel[(n_prog,)](X, D, S, launch.device_table(keys, dev), cols, nbr, nblocks, prog_start, n_t, tpow2, levels, mids,
                              KIND=kind, SIGNED=signed, SR=codec.stochastic_rounding,
                              N_LEVELS=len(levels) if kind == 3 else 2, NBLK=NBLK,
-                             INV_POW=1.0 / codec.effective_power if kind == 3 else 0.5)
+                             INV_POW=1.0 / codec.effective_power if kind == 3 else 0.5, POW=power)
     for ref, out in zip(refs, outs):
         for name in ref.payload:  # bit-identical (NaN counts as equal to NaN)
             torch.testing.assert_close(out.payload[name], ref.payload[name], rtol=0, atol=0, equal_nan=True)
     decoded = [torch.full_like(x, 123.0) for x in xs]
     decode_kernel[(n_prog,)](launch.pointer_table(decoded, dev), D, S, cols, nbr, nblocks, prog_start, n_t, tpow2, lut,
-                             KIND=kind, SIGNED=signed, NBLK=NBLK)
+                             KIND=kind, SIGNED=signed, NBLK=NBLK, POW=power)
     for ref, got in zip(refs, decoded):
         torch.testing.assert_close(got, ref.decode(), rtol=0, atol=0, equal_nan=True)

@@ -35,8 +35,8 @@ def policy(m, v):
     return oc.WarmupPolicy(warmup_steps=0, momentum_codec=m, variance_codec=v, min_int8_elements=0)
 
 
-def build(ps, cls, kw, pol, fused):
-    return oc.wrap(cls(ps, **kw), pol, fused=fused)
+def build(ps, cls, kw, pol, fused, **options):
+    return oc.wrap(cls(ps, **kw), pol, fused=fused, **options)
 
 
 def compare_states(ref_opt, opt, ref_ps, ps, min_same=0.995):
@@ -121,22 +121,106 @@ def test_bf16_parameters():
     run_pair(torch.optim.AdamW, dict(lr=1e-2), lambda: policy("int8", "int8"), dtype=torch.bfloat16)
 
 
-def test_nonfinite_gradient_skipped_inside_the_kernel():
-    ps = params()
-    opt = build(ps, torch.optim.AdamW, dict(lr=1e-2), policy("int8", "int8"), fused=True)
-    set_grads(ps, 0)
-    opt.step()
+def _skip_pair(first: bool, **options):
+    """Two fused optimizers from identical state; the second sees NaN/inf in some gradients,
+    the first the same gradients with those entries zeroed."""
+    ps, qs = params(), params()
+    pol = lambda: policy("int8", "int4")  # noqa: E731
+    ref, opt = (build(x, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), pol(), fused=True, **options)
+                for x in (ps, qs))
+    if not first:
+        for x, o in ((ps, ref), (qs, opt)):
+            set_grads(x, 0)
+            o.step()
     set_grads(ps, 1)
-    ps[0].grad[3, 5] = float("nan")
-    ps[2].grad[0, 0] = float("inf")
-    before = [p.detach().clone() for p in ps]
-    state0 = opt.state[ps[0]]["exp_avg"].clone()
+    set_grads(qs, 1)
+    ps[0].grad[3, 5] = ps[0].grad[10, 600] = ps[2].grad[0, 0] = 0.0
+    qs[0].grad[3, 5] = float("nan")
+    qs[0].grad[10, 600] = float("-inf")
+    qs[2].grad[0, 0] = float("inf")
+    before = [q.detach().clone() for q in qs]
+    states = [{k: (v.clone() if isinstance(v, (torch.Tensor, oc.EncodedTensor)) else v) for k, v in opt.state[q].items()}
+              for q in qs] if not first else None
+    ref.step()
     opt.step()
-    assert torch.equal(ps[0], before[0]) and torch.equal(ps[2], before[2])
-    assert torch.equal(opt.state[ps[0]]["exp_avg"].payload["codes"], state0.payload["codes"])
-    assert float(opt.state[ps[0]]["step"]) == 1.0 and float(opt.state[ps[1]]["step"]) == 2.0
-    assert not torch.equal(ps[1], before[1])
+    # the skipped blocks: 256-element runs of a row of the [rows, cols] layout
+    skipped = [torch.zeros(q.shape, dtype=torch.bool, device=DEVICE) for q in qs]
+    skipped[0][3, 0:256] = True
+    skipped[0][10, 512:700] = True
+    skipped[2][0, 0] = True
+    return ps, qs, ref, opt, before, states, skipped
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later-step", "first-step"])
+def test_nonfinite_gradient_skips_its_blocks_inside_the_kernel(first):
+    ps, qs, ref, opt, before, states, skipped = _skip_pair(first)
+    for p, q, b, sk in zip(ps, qs, before, skipped):
+        assert torch.equal(q[sk], b[sk])  # skipped blocks: untouched
+        assert torch.equal(q[~sk], p[~sk])  # every other block: exactly the finite run's update
+        assert torch.isfinite(q).all()
+    for i, (p, q, sk) in enumerate(zip(ps, qs, skipped)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = opt.state[q][key].decode(dtype=torch.float32)
+            want = ref.state[p][key].decode(dtype=torch.float32)
+            assert torch.isfinite(got).all()
+            assert torch.equal(got[~sk], want[~sk]), (i, key)
+            old = torch.zeros_like(got) if first else states[i][key].decode(dtype=torch.float32)
+            assert torch.equal(got[sk], old[sk]), (i, key)
+        # the tensor as a whole took the step
+        assert float(opt.state[q]["step"]) == float(ref.state[p]["step"]) == (1.0 if first else 2.0)
     assert opt.memory_report()["nonfinite_skipped"] == 2
+    assert ref.memory_report()["nonfinite_skipped"] == 0
+
+
+def test_nonfinite_skip_of_streamed_state_matches_resident():
+    _, qs, _, opt, _, _, _ = _skip_pair(False)
+    _, rs, _, streamed, _, _, _ = _skip_pair(False, offload=True, staging_bytes="64KB")
+    for q, r in zip(qs, rs):
+        assert torch.equal(q, r)
+    assert streamed.memory_report()["nonfinite_skipped"] == 2
+
+
+def test_sgd_nonfinite_gradient_skips_its_block():
+    ps, qs = params(), params()
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", min_int8_elements=0)  # noqa: E731
+    ref, opt = (build(x, torch.optim.SGD, dict(lr=0.1, momentum=0.9), pol(), fused=True) for x in (ps, qs))
+    for x, o in ((ps, ref), (qs, opt)):
+        set_grads(x, 0)
+        o.step()
+        set_grads(x, 1)
+    ps[0].grad[5, 300] = 0.0
+    qs[0].grad[5, 300] = float("nan")
+    before, buf = qs[0].detach().clone(), opt.state[qs[0]]["momentum_buffer"].decode()
+    ref.step()
+    opt.step()
+    sk = torch.zeros(qs[0].shape, dtype=torch.bool, device=DEVICE)
+    sk[5, 256:512] = True
+    assert torch.equal(qs[0][sk], before[sk]) and torch.equal(qs[0][~sk], ps[0][~sk])
+    got = opt.state[qs[0]]["momentum_buffer"].decode()
+    assert torch.equal(got[sk], buf[sk]) and torch.equal(got[~sk], ref.state[ps[0]]["momentum_buffer"].decode()[~sk])
+    assert all(torch.equal(p, q) for p, q in zip(ps[1:], qs[1:]))
+    assert opt.memory_report()["nonfinite_skipped"] == 1
+
+
+def test_tiles_per_program_do_not_change_results(monkeypatch):
+    """ITERS tiles per program (a loop in the kernel) give bit-identical parameters and states."""
+    from optstate_core import fused_launch
+
+    out = []
+    for iters in (1, 3):
+        monkeypatch.setattr(fused_launch, "ITERS", iters)
+        ps = params()
+        opt = build(ps, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), policy("int8", "int4"), fused=True)
+        for s in range(2):
+            set_grads(ps, s)
+            opt.step()
+        out.append((ps, opt))
+    (ps1, o1), (ps3, o3) = out
+    for p, q in zip(ps1, ps3):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = o1.state[p][key], o3.state[q][key]
+            assert all(torch.equal(a.payload[n], b.payload[n]) for n in a.payload)
 
 
 def test_fallback_is_logged_once(caplog):
