@@ -39,6 +39,7 @@ from .store import matches
 log = logging.getLogger("optstate")
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MATERIALIZED = 8  # bytes of decoded state per element (fp32 m and v), counted against chunk_bytes
 _LOGGED = set()
 
 
@@ -98,6 +99,28 @@ def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_paylo
     v_codec.encode_into(v, v_payload, RoundingContext(keys[1], offset, cols))
 
 
+def bucketize_by_counting(input, boundaries, *, out_int32=False, right=False):
+    """``aten.bucketize`` for sorted ``boundaries`` as a count of comparisons (inductor's C++
+    backend has no bucketize and would call the eager kernel between its fused loops): the
+    index is the number of boundaries below the value (at or below it with ``right``), NaN last."""
+    below = (boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))
+    index = torch.where(torch.isnan(input), boundaries.numel(), below.sum(-1))
+    return index.to(torch.int32 if out_int32 else torch.int64)
+
+
+#: codes index lookup tables that always hold 2**bits entries: no per-element bounds check
+INDUCTOR_PATCHES = {"assert_indirect_indexing": False}
+
+
+def inductor_backend(gm, example_inputs):
+    """inductor, with bucketize decomposed into comparisons (so the 4-bit encode fuses too)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+    table = dict(select_decomp_table())
+    table[torch.ops.aten.bucketize.Tensor] = bucketize_by_counting
+    return compile_fx(gm, example_inputs, decompositions=table, config_patches=INDUCTOR_PATCHES)
+
+
 _STEPPERS: Dict[tuple, Callable] = {}
 _FAILED: set = set()
 
@@ -114,7 +137,7 @@ def _stepper(m_codec, v_codec, maximize: bool, compiled: bool) -> Callable:
             adam_step_encoded(p, g, m_payload, v_payload, hyper, keys, offset, m_codec=m_codec, v_codec=v_codec,
                               maximize=maximize)
         if compiled:
-            fn = torch.compile(fn, dynamic=True, fullgraph=True)
+            fn = torch.compile(fn, backend=inductor_backend, dynamic=True, fullgraph=True)
         _STEPPERS[key] = fn
     return fn
 
@@ -177,6 +200,12 @@ def run_cpu_fast(engine, works: List) -> List:
 
 
 def _step_one(engine, w, group) -> bool:
+    """Step one parameter in row slices whose decoded state (m and v in fp32, ``MATERIALIZED``
+    bytes per element) stays under ``chunk_bytes``; False (nothing done) when one row exceeds it."""
+    per_row = MATERIALIZED * w.cols
+    if per_row > engine.chunk_bytes:
+        return False
+    rows_per_call = max(1, engine.chunk_bytes // per_row)
     m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
     step_t = w.state["step"]
     beta1, beta2 = group["betas"]
@@ -184,10 +213,25 @@ def _step_one(engine, w, group) -> bool:
                          float(group["weight_decay"]), float(step_t) + 1, _decoupled(engine.inner, group))
     keys = torch.tensor([_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)],
                         dtype=torch.int64)
-    offset = torch.tensor(w.offset, dtype=torch.int64)
-    args = (w.param.detach().view(w.rows, w.cols), w.grad.detach().view(w.rows, w.cols), m_enc.payload,
-            v_enc.payload, hyper, keys, offset)
     flags = (m_enc.codec, v_enc.codec, bool(group.get("maximize")))
+    p, g = w.param.detach().view(w.rows, w.cols), w.grad.detach().view(w.rows, w.cols)
+    for r0 in range(0, w.rows, rows_per_call):
+        r1 = min(w.rows, r0 + rows_per_call)
+        offset = torch.tensor(w.offset + r0 * w.cols, dtype=torch.int64)
+        _run(flags, (p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_enc.payload.items()},
+                     {k: t[r0:r1] for k, t in v_enc.payload.items()}, hyper, keys, offset))
+        engine.metrics.chunks += 1
+        engine.metrics.tiles += 1
+        engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, (r1 - r0) * per_row)
+    new_step = step_t.clone()
+    new_step += 1
+    w.state["step"] = new_step
+    engine.state[w.key] = w.state
+    return True
+
+
+def _run(flags, args) -> None:
+    """The compiled step when compilation is wanted and works, else the same step eagerly."""
     with torch.no_grad():
         if compile_wanted() and flags not in _FAILED:
             try:
@@ -195,17 +239,12 @@ def _step_one(engine, w, group) -> bool:
                 with _shape_config():
                     _stepper(*flags, compiled=True)(*args)
                 _note_compile(flags, time.perf_counter() - t)
-            except Exception as e:  # inductor/dynamo unavailable or failing (before any write): eager
+                return
+            except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
                 _FAILED.add(flags)
-                log.warning("optstate: CPU fast path runs eagerly; torch.compile failed: %s", e)
-                _stepper(*flags, compiled=False)(*args)
-        else:
-            _stepper(*flags, compiled=False)(*args)
-    new_step = step_t.clone()
-    new_step += 1
-    w.state["step"] = new_step
-    engine.state[w.key] = w.state
-    return True
+                log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
+                            flags[0].name, flags[1].name, e)
+        _stepper(*flags, compiled=False)(*args)
 
 
 def _shape_config():
