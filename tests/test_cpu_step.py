@@ -139,3 +139,15 @@ def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch):
                 codes += t.numel()
                 differing += int((t != payloads(opt, b)[key]).sum())
     assert differing <= 1e-3 * codes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_finite_flags_match_the_infinity_norm(dtype):
+    from optstate_core.gradients import finite_flags
+    grads = [torch.randn(40, 70, dtype=dtype) for _ in range(6)] + [torch.full((3,), 1e30, dtype=torch.float64)]
+    grads[1][3, 4] = float("nan")
+    grads[3][0, 0] = float("inf")
+    grads[4][9, 9] = -float("inf")
+    expected = [bool(torch.isfinite(g).all()) for g in grads]
+    assert expected == [True, False, True, False, False, True, True]
+    assert finite_flags(grads).tolist() == expected
