@@ -102,10 +102,20 @@ def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_paylo
 def bucketize_by_counting(input, boundaries, *, out_int32=False, right=False):
     """``aten.bucketize`` for sorted ``boundaries`` as a count of comparisons (inductor's C++
     backend has no bucketize and would call the eager kernel between its fused loops): the
-    index is the number of boundaries below the value (at or below it with ``right``), NaN last."""
-    below = (boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))
-    index = torch.where(torch.isnan(input), boundaries.numel(), below.sum(-1))
+    index is the number of boundaries below the value (at or below it with ``right``), NaN last.
+    A short table (a codebook) is unrolled into elementwise compares, which vectorize."""
+    n = int(boundaries.shape[0])  # specializes the table's length: one guard
+    if n <= UNROLL_BOUNDARIES:
+        count = torch.zeros_like(input, dtype=torch.int64)
+        for i in range(n):
+            count = count + ((boundaries[i] <= input) if right else (boundaries[i] < input)).to(torch.int64)
+    else:
+        count = ((boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))).sum(-1)
+    index = torch.where(torch.isnan(input), n, count)
     return index.to(torch.int32 if out_int32 else torch.int64)
+
+
+UNROLL_BOUNDARIES = 64
 
 
 #: codes index lookup tables that always hold 2**bits entries: no per-element bounds check

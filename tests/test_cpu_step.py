@@ -151,3 +151,16 @@ def test_cpu_finite_flags_match_the_infinity_norm(dtype):
     expected = [bool(torch.isfinite(g).all()) for g in grads]
     assert expected == [True, False, True, False, False, True, True]
     assert finite_flags(grads).tolist() == expected
+
+
+@pytest.mark.parametrize("n", [15, 100])
+def test_bucketize_by_counting_is_torch_bucketize(n):
+    x = torch.randn(4000)
+    x[::97], x[::89], x[::83] = float("nan"), float("inf"), -float("inf")
+    bounds = torch.sort(torch.randn(n)).values
+    x[:n] = bounds  # ties
+    for right in (False, True):
+        for out_int32 in (False, True):
+            expected = torch.bucketize(x, bounds, right=right, out_int32=out_int32)
+            got = cpu_step.bucketize_by_counting(x, bounds, right=right, out_int32=out_int32)
+            assert got.dtype == expected.dtype and torch.equal(got, expected)

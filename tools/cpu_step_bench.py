@@ -140,7 +140,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--scale", type=float, default=0.125)
-    parser.add_argument("--layers", type=int, default=17, help="17 layers at scale 0.125: 9.9M parameters")
+    parser.add_argument("--layers", type=int, default=9, help="9 layers at scale 0.125: 9.8M parameters")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reference", action="store_true", help="add the 8bit tiled reference path (slow)")
     parser.add_argument("--skip", choices=("step", "demo"), default=None, help="leave out one part")
