@@ -1,6 +1,6 @@
 """CPU fast path: Adam/AdamW on encoded state as one decode-update-encode call per parameter.
 
-The tiled reference step (``engine.py``) decodes a tile, runs the inner optimizer on views and
+The tiled reference step (``tiled.py``) decodes a tile, runs the inner optimizer on views and
 encodes the result, op by op; on a CPU the codec arithmetic (int64 rounding hash, block
 scales, lookups) then dominates, many passes over memory per op. Here the same three stages
 run as one function per parameter: the codecs' own ``decode_into`` / ``encode_into`` (so a
@@ -9,13 +9,14 @@ step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops whe
 else run eagerly.
 
 Results: eager execution performs the same torch operations on the same float32 values as
-the reference, so it is bit-identical to it. Compiled code may contract or reorder float
-operations (a few ulp on the updated values); stochastic-rounding bits are the same integer
+the reference, so it is bit-identical to it. Compiled code rounds a few float operations
+differently (inductor lowers lerp/addcmul without torch's fused multiply-add and divides by a
+scalar through its reciprocal: a few ulp on the updated values); stochastic-rounding bits are the same integer
 stream, so a code differs only where the value before encoding sits within those ulp of a
 rounding threshold. ``tests/test_cpu_step.py`` states and checks the bound.
 
-Which parameters: ``torch.optim.Adam``/``AdamW`` (not fused, not capturable, not
-differentiable, float ``lr``), a contiguous float32 CPU parameter and gradient that are not
+Which parameters: ``torch.optim.Adam``/``AdamW`` (decoupled or no weight decay; not amsgrad,
+fused, capturable or differentiable; float ``lr`` and betas), a contiguous float32 CPU parameter and gradient that are not
 DTensors, and every tensor state already encoded with the codec the policy picks now (the
 first step, a codec switch and everything else go through the tiled reference path).
 
