@@ -25,6 +25,7 @@ import torch
 
 from .conform import Conformer
 from . import passthrough_skip
+from .cpu_step import run_cpu_fast
 from .follow import follow_params, remember_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
@@ -176,8 +177,9 @@ class Engine:
             t = time.perf_counter()
             passthrough_skip.step(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
-        if tiled:
-            self.tiled.run(tiled, update=True)
+        ready = run_cpu_fast(self, tiled) if tiled else tiled  # cpu_step.py: Adam/AdamW on encoded CPU state
+        if ready:
+            self.tiled.run(ready, update=True)
         items = [(w.key, w.state, w.info.group_index) for w in passthrough]
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
             and len(fused) + len(passthrough) == len(works)

@@ -60,7 +60,11 @@ def test_demo_writes_csv_png_and_summary(tmp_path, capsys):
     for name in runs[1:]:
         for r in by_run[name]:
             assert r["compression_active"] == "True"
-            assert float(r["materialize_ms"]) > 0 and float(r["commit_ms"]) > 0 and float(r["overhead_ms"]) > 0
+            assert float(r["inner_step_ms"]) > 0 and float(r["overhead_ms"]) > 0
+        # the first step creates the state through tiles; later ones take the CPU fast path,
+        # whose decode-update-encode is one call (counted as inner step)
+        first = by_run[name][0]
+        assert float(first["materialize_ms"]) > 0 and float(first["commit_ms"]) > 0
 
     png = (out / "demo.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -1,0 +1,284 @@
+"""CPU fast path: Adam/AdamW on encoded state as one decode-update-encode call per parameter.
+
+The tiled reference step (``tiled.py``) decodes a tile, runs the inner optimizer on views and
+encodes the result, op by op; on a CPU the codec arithmetic (int64 rounding hash, block
+scales, lookups) then dominates, many passes over memory per op. Here the same three stages
+run as one function per parameter: the codecs' own ``decode_into`` / ``encode_into`` (so a
+codec change flows through) around the arithmetic of ``torch.optim.Adam``'s single-tensor
+step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops when it can be,
+else run eagerly.
+
+Results: eager execution performs the same torch operations on the same float32 values as
+the reference, so it is bit-identical to it. Compiled code rounds a few float operations
+differently (inductor lowers lerp/addcmul without torch's fused multiply-add and divides by a
+scalar through its reciprocal: a few ulp on the updated values); stochastic-rounding bits are the same integer
+stream, so a code differs only where the value before encoding sits within those ulp of a
+rounding threshold. ``tests/test_cpu_step.py`` states and checks the bound.
+
+Which parameters: ``torch.optim.Adam``/``AdamW`` (decoupled or no weight decay; not amsgrad,
+fused, capturable or differentiable; float ``lr`` and betas), a contiguous float32 CPU parameter and gradient that are not
+DTensors, and every tensor state already encoded with the codec the policy picks now (the
+first step, a codec switch and everything else go through the tiled reference path).
+
+Switches: ``OPTSTATE_CPU_FAST=0`` turns the path off; ``OPTSTATE_CPU_COMPILE=0`` runs it
+eagerly (the test suite does, except for the tests of the compiled path).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .codecs import EncodedTensor
+from .codecs.rounding import RoundingContext, state_seed, stream_key
+from .dtensor import is_dtensor
+from .store import matches
+
+log = logging.getLogger("optstate")
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MATERIALIZED = 8  # bytes of decoded state per element (fp32 m and v), counted against chunk_bytes
+_LOGGED = set()
+
+
+def enabled() -> bool:
+    return os.environ.get("OPTSTATE_CPU_FAST", "1") != "0"
+
+
+def compile_wanted() -> bool:
+    return os.environ.get("OPTSTATE_CPU_COMPILE", "1") != "0"
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        log.info("optstate: %s", reason)
+
+
+# -- the step of one parameter ---------------------------------------------------------------
+#: slots of the ``hyper`` tensor: float32 values of the scalars torch's step computes in double
+DECAY, LERP_WEIGHT, BETA2, ONE_MINUS_BETA2, BC2_SQRT, EPS, NEG_STEP_SIZE = range(7)
+
+
+def adam_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+                 decoupled: bool) -> torch.Tensor:
+    """The scalars of ``_single_tensor_adam`` at this step, computed as torch computes them
+    (Python floats) and rounded to float32 as its CPU kernels round them."""
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    decay = 1 - lr * weight_decay if decoupled else 1.0
+    return torch.tensor([decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5, eps,
+                         -(lr / bias_correction1)], dtype=torch.float32)
+
+
+def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_payload: dict, hyper: torch.Tensor,
+                      keys: torch.Tensor, offset: torch.Tensor, *, m_codec, v_codec, maximize: bool) -> None:
+    """One Adam/AdamW step of the 2-D slab ``p`` (in place) with its two states held in the
+    payloads ``m_payload`` / ``v_payload`` (decoded, updated and re-encoded in place).
+
+    ``hyper``: :func:`adam_scalars`; ``keys``: the two states' stochastic-rounding stream keys
+    this step (int64 [2]); ``offset``: the flat index of the slab's first element in the whole
+    tensor (int64 0-d). The update is ``torch.optim.adam._single_tensor_adam``'s (decoupled or no
+    weight decay), operation for operation: each scalar multiplies the same operand, and
+    ``addcmul``/``addcdiv`` keep torch's CPU evaluation order (``fma(value * t1, t2, self)``,
+    ``self + value * t1 / t2``).
+    """
+    rows, cols = p.shape
+    m = m_codec.decode_into(m_payload, torch.empty_like(p))
+    v = v_codec.decode_into(v_payload, torch.empty_like(p))
+    if maximize:
+        g = -g
+    p.mul_(hyper[DECAY])
+    m.lerp_(g, hyper[LERP_WEIGHT])
+    v.mul_(hyper[BETA2]).addcmul_(hyper[ONE_MINUS_BETA2] * g, g)
+    denom = (v.sqrt() / hyper[BC2_SQRT]).add_(hyper[EPS])
+    p.addcdiv_(hyper[NEG_STEP_SIZE] * m, denom)
+    m_codec.encode_into(m, m_payload, RoundingContext(keys[0], offset, cols))
+    v_codec.encode_into(v, v_payload, RoundingContext(keys[1], offset, cols))
+
+
+def bucketize_by_counting(input, boundaries, *, out_int32=False, right=False):
+    """``aten.bucketize`` for sorted ``boundaries`` as a count of comparisons (inductor's C++
+    backend has no bucketize and would call the eager kernel between its fused loops): the
+    index is the number of boundaries below the value (at or below it with ``right``), NaN last.
+    A short table (a codebook) is unrolled into elementwise compares, which vectorize."""
+    n = int(boundaries.shape[0])  # specializes the table's length: one guard
+    if n <= UNROLL_BOUNDARIES:
+        count = torch.zeros_like(input, dtype=torch.int64)
+        for i in range(n):
+            count = count + ((boundaries[i] <= input) if right else (boundaries[i] < input)).to(torch.int64)
+    else:
+        count = ((boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))).sum(-1)
+    index = torch.where(torch.isnan(input), n, count)
+    return index.to(torch.int32 if out_int32 else torch.int64)
+
+
+UNROLL_BOUNDARIES = 64
+
+
+#: codes index lookup tables that always hold 2**bits entries: no per-element bounds check
+INDUCTOR_PATCHES = {"assert_indirect_indexing": False}
+
+
+def inductor_backend(gm, example_inputs):
+    """inductor, with bucketize decomposed into comparisons (so the 4-bit encode fuses too)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+    table = dict(select_decomp_table())
+    table[torch.ops.aten.bucketize.Tensor] = bucketize_by_counting
+    return compile_fx(gm, example_inputs, decompositions=table, config_patches=INDUCTOR_PATCHES)
+
+
+_STEPPERS: Dict[tuple, Callable] = {}
+_FAILED: set = set()
+
+
+def _stepper(m_codec, v_codec, maximize: bool, compiled: bool) -> Callable:
+    """The (compiled, dynamic-shape) step for one combination of codecs and flags."""
+    key = (m_codec, v_codec, maximize, compiled)
+    fn = _STEPPERS.get(key)
+    if fn is None:
+        for codec in (m_codec, v_codec):  # fill the codecs' lookup-table caches outside the trace
+            codec.encode(torch.zeros(1, codec.granularity)).decode()
+
+        def fn(p, g, m_payload, v_payload, hyper, keys, offset):
+            adam_step_encoded(p, g, m_payload, v_payload, hyper, keys, offset, m_codec=m_codec, v_codec=v_codec,
+                              maximize=maximize)
+        if compiled:
+            fn = torch.compile(fn, backend=inductor_backend, dynamic=True, fullgraph=True)
+        _STEPPERS[key] = fn
+    return fn
+
+
+# -- which parameters ---------------------------------------------------------------------------
+def _group_ok(inner: torch.optim.Optimizer, group: dict) -> Optional[str]:
+    if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(inner).__name__} has no CPU fast path"
+    for flag in ("amsgrad", "capturable", "differentiable", "fused"):
+        if group.get(flag):
+            return f"{flag}=True"
+    if isinstance(group.get("lr"), torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
+        return "tensor lr/betas"
+    if group.get("weight_decay") and not _decoupled(inner, group):
+        return "Adam with L2 weight decay (torch fuses its add into one rounding)"
+    return None
+
+
+def _eligible(engine, w) -> bool:
+    p, g = w.param, w.grad
+    if p.device.type != "cpu" or p.dtype != torch.float32 or g is None or g.dtype != torch.float32:
+        return False
+    if is_dtensor(w.key) or not p.is_contiguous() or not g.is_contiguous() or p.is_complex():
+        return False
+    if set(w.state) != {"step", *ADAM_KEYS} or not isinstance(w.state["step"], torch.Tensor):
+        return False
+    for key in ADAM_KEYS:
+        value = w.state[key]
+        if not isinstance(value, EncodedTensor) or value.shape != p.shape or not value.payload_contiguous():
+            return False
+        codec = engine.codec_of(w, key)
+        if not matches(value, codec, engine.tier_of(w, key) == "host", p.device):
+            return False
+    return True
+
+
+# -- the entry point -------------------------------------------------------------------------------
+def run_cpu_fast(engine, works: List) -> List:
+    """Step the works this path can take (Adam/AdamW, CPU, encoded state); return the rest for
+    the tiled reference path. Called by the engine after non-finite gradients were dropped."""
+    if not works or not enabled():
+        return works
+    inner = engine.inner
+    rest, done = [], 0
+    t0 = time.perf_counter()
+    for w in works:
+        group = inner.param_groups[w.info.group_index]
+        reason = _group_ok(inner, group)
+        if reason is not None:
+            _log_once(f"CPU fast path off: {reason}")
+            rest.append(w)
+            continue
+        if not _eligible(engine, w) or not _step_one(engine, w, group):
+            rest.append(w)
+            continue
+        done += 1
+    if done:
+        engine.metrics.inner_step_ms += (time.perf_counter() - t0) * 1e3
+    return rest
+
+
+def _step_one(engine, w, group) -> bool:
+    """Step one parameter in row slices whose decoded state (m and v in fp32, ``MATERIALIZED``
+    bytes per element) stays under ``chunk_bytes``; False (nothing done) when one row exceeds it."""
+    per_row = MATERIALIZED * w.cols
+    if per_row > engine.chunk_bytes:
+        return False
+    rows_per_call = max(1, engine.chunk_bytes // per_row)
+    m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
+    step_t = w.state["step"]
+    beta1, beta2 = group["betas"]
+    hyper = adam_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                         float(group["weight_decay"]), float(step_t) + 1, _decoupled(engine.inner, group))
+    keys = torch.tensor([_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)],
+                        dtype=torch.int64)
+    flags = (m_enc.codec, v_enc.codec, bool(group.get("maximize")))
+    p, g = w.param.detach().view(w.rows, w.cols), w.grad.detach().view(w.rows, w.cols)
+    for r0 in range(0, w.rows, rows_per_call):
+        r1 = min(w.rows, r0 + rows_per_call)
+        offset = torch.tensor(w.offset + r0 * w.cols, dtype=torch.int64)
+        _run(flags, (p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_enc.payload.items()},
+                     {k: t[r0:r1] for k, t in v_enc.payload.items()}, hyper, keys, offset))
+        engine.metrics.chunks += 1
+        engine.metrics.tiles += 1
+        engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, (r1 - r0) * per_row)
+    new_step = step_t.clone()
+    new_step += 1
+    w.state["step"] = new_step
+    engine.state[w.key] = w.state
+    return True
+
+
+def _run(flags, args) -> None:
+    """The compiled step when compilation is wanted and works, else the same step eagerly."""
+    with torch.no_grad():
+        if compile_wanted() and flags not in _FAILED:
+            try:
+                t = time.perf_counter()
+                with _shape_config():
+                    _stepper(*flags, compiled=True)(*args)
+                _note_compile(flags, time.perf_counter() - t)
+                return
+            except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
+                _FAILED.add(flags)
+                log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
+                            flags[0].name, flags[1].name, e)
+        _stepper(*flags, compiled=False)(*args)
+
+
+def _shape_config():
+    """Trace sizes symbolically, 1 included, and never equate unrelated sizes (a lookup table's
+    length with a row count): a handful of graphs per codec pair instead of one per shape."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
+def _decoupled(inner, group) -> bool:
+    return bool(group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW)))
+
+
+_COMPILE_SECONDS: Dict[tuple, float] = {}
+
+
+def _note_compile(flags, seconds: float) -> None:
+    """Log the first (compiling) call of each combination."""
+    if flags not in _COMPILE_SECONDS:
+        _COMPILE_SECONDS[flags] = seconds
+        log.info("optstate: CPU fast path compiled for %s/%s in %.1f s", flags[0].name, flags[1].name, seconds)
+
+
+def _key(engine, w, key: str, codec) -> int:
+    if not codec.stochastic_rounding:
+        return 0
+    return stream_key(state_seed(engine.seed, w.info.index, key), engine.step_count)
