@@ -67,6 +67,8 @@ class FusedPath:
             return self._fallback(f"parameters on {p.device.type} (the fused kernels need CUDA)")
         if triton_error():
             return self._fallback(triton_error())
+        if self.engine.policy.master_codec(w.info) is not None:
+            return self._fallback("master weights (bf16 parameter + correction) take the reference path")
         if type(inner) in (torch.optim.Adam, torch.optim.AdamW):
             kind, keys = "adam", ADAM_KEYS
         elif type(inner) is torch.optim.SGD:

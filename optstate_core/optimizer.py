@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checkpoint, metrics
+from . import checkpoint, master_weights, metrics
 from .engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .units import parse_bytes
@@ -187,13 +187,18 @@ class VirtualOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict, masters = master_weights.prepare_load(self._engine, self.param_groups, state_dict)
         checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
+        master_weights.apply_masters(self._engine, masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def export_state_dict(self, device="cpu") -> dict:
-        """A plain torch state_dict (decoded state) that the unwrapped optimizer can load."""
-        return checkpoint.export_state_dict(self._engine, self.param_groups, device=device)
+        """A plain torch state_dict (decoded state) that the unwrapped optimizer can load. With
+        master weights it has one more entry, ``"master_weights"``: ``{parameter index: fp32
+        master}`` (the correction itself is not exported); loading it back restores them."""
+        exported = checkpoint.export_state_dict(self._engine, self.param_groups, device=device)
+        return master_weights.export_masters(self._engine, self.param_groups, exported, device=device)
 
     def train(self, mode: bool = True):
         fn = getattr(self._engine.inner, "train" if mode else "eval", None)

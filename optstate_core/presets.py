@@ -25,6 +25,14 @@ PRESETS = {
     "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
                     variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False),
 }
+# bf16 parameters with fp32 master weights kept as optimizer state (see master_weights.py; cast the
+# model with optstate_core.cast_model): "bf16w-*" keep the exact fp32 master (int16 correction),
+# "-lean" a 16-bit-significand master (int8 correction). Bytes per parameter on the device with
+# bf16 gradients: bf16w-8bit 2+2+2+2, bf16w-4bit 2+2+1+2, bf16w-8bit-lean 2+1+2+2, bf16w-4bit-lean
+# 2+1+1+2 (weights + correction + moments + gradient; 2 fewer with gradient release).
+for _moments in ("8bit", "4bit"):
+    PRESETS[f"bf16w-{_moments}"] = dict(PRESETS[_moments], master_correction="corr16")
+    PRESETS[f"bf16w-{_moments}-lean"] = dict(PRESETS[_moments], master_correction="corr8")
 PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 
