@@ -272,3 +272,28 @@ def test_cast_model_keeps_identity_and_seeds_the_exact_master():
         assert torch.equal(join(p.detach(), opt.state[p][MASTER_KEY].decode()), x)  # lr 0: the fp32 values
     with pytest.raises(ValueError, match="dtype"):
         cast_model(model, torch.float16)
+
+
+@pytest.mark.parametrize("preset", ["bf16w-8bit", "bf16w-4bit-lean"])
+def test_plan_and_memory_report_count_weights_correction_and_gradients(preset):
+    from optstate_core.apps import plan
+    shapes = [("a.weight", (64, 512)), ("a.bias", (64,)), ("b.weight", (300, 700))]
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for _, s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = oc.wrap(torch.optim.AdamW(params), preset)
+    opt.step()
+    report = opt.memory_report()
+    expected = plan.state_bytes(shapes, preset)
+    n = sum(p.numel() for p in params)
+    corr_bytes = n * (2 if preset == "bf16w-8bit" else 1)
+    assert (report["device_bytes"], report["host_bytes"]) == (expected.device, expected.host)
+    assert expected.correction_device == corr_bytes
+    t = report["training_bytes"]
+    assert t["master_correction"] == {"device": corr_bytes, "host": 0}
+    assert t["params"]["device"] == 2 * n and t["gradients"]["device"] == 2 * n
+    assert t["optimizer_state"]["device"] == expected.device - corr_bytes
+    assert report["device_bytes_per_param"] == pytest.approx((4 * n + expected.device) / n)
+    rows = {r.name: r for r in plan.make_plan(shapes, 10**9, presets=[preset], release_gradients=True).rows}
+    assert rows[preset].weights == 2 * n and rows[preset].grads == 2 * 300 * 700
+    assert rows[preset].total_gpu == 2 * n + 2 * 300 * 700 + expected.device
