@@ -137,6 +137,11 @@ class GradientRelease:
         for g in grads:
             self._clip_one(g)
 
+    def norm_so_far(self) -> Optional[torch.Tensor]:
+        """This step's global gradient norm over the gradients seen so far (pre-clip), else the
+        last step's: what a framework's clipping call after backward would have returned."""
+        return torch.sqrt(self._sq_sum) if self._sq_sum is not None else self.last_grad_norm
+
     def after_step(self) -> None:
         """End of ``step()``: the step's global norm, and the next step's clip factor."""
         if self._sq_sum is not None:

@@ -85,6 +85,9 @@ class OptStateCallback(TrainerCallback):
                              "optimizer_cls_and_kwargs=optstate_hf.optimizer_cls_and_kwargs(args), or "
                              "optimizers=(optstate_core.wrap(...), None)")
         self.optimizer = opt
+        if opt.release_gradients:
+            from .optimizer import route_max_grad_norm
+            route_max_grad_norm(args, opt)
         gradient_state = getattr(optimizer, "gradient_state", None)
         if gradient_state is not None:
             opt.bind_step_boundary(lambda: gradient_state.sync_gradients)
