@@ -45,6 +45,14 @@ def make_policy(preset: str = "default", **overrides) -> WarmupPolicy:
     return WarmupPolicy(**{**PRESETS[name], **overrides})
 
 
+def has_master_weights(preset: Optional[str]) -> bool:
+    """Whether a preset keeps fp32 master weights for bf16 parameters (the ``bf16w-*`` presets:
+    cast the model with :func:`optstate_core.cast_model` first)."""
+    if preset is None:
+        return False
+    return PRESETS[PRESET_ALIASES.get(preset, preset)].get("master_correction") is not None
+
+
 def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = None, **options) -> VirtualOptimizer:
     """Wrap any torch optimizer. ``policy``: a Policy, a preset name, or None (the default preset).
     ``options`` are :class:`VirtualOptimizer`'s (chunk_bytes, chunk_size, pin_memory, ...)."""

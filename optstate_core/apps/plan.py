@@ -184,7 +184,7 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
     from ..codecs.base import slab_shape
     from ..master_weights import MASTER_KEY
     from ..policy import ParamInfo
-    from ..presets import make_policy
+    from ..presets import has_master_weights, make_policy
     policy = make_policy(preset) if preset is not None else None
     master = has_master_weights(preset)
     if master:
@@ -210,14 +210,6 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
                 out.correction_device += nbytes if tier != "host" else 0
             out.by_codec[codec.name] = out.by_codec.get(codec.name, 0) + nbytes
     return out
-
-
-def has_master_weights(preset: Optional[str]) -> bool:
-    """Whether a preset keeps fp32 master weights for bf16 parameters (``bf16w-*``)."""
-    if preset is None:
-        return False
-    from ..presets import make_policy
-    return make_policy(preset).master_correction is not None
 
 
 @dataclass
@@ -252,6 +244,7 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     given; with ``release_gradients`` their gradients count as the largest parameter's only
     (each is freed as soon as its parameter is updated in backward)."""
     from ..metrics import bits_per_param
+    from ..presets import has_master_weights
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     for arg, value in (("--weights-dtype", weights_dtype), ("--grads-dtype", grads_dtype or weights_dtype)):
