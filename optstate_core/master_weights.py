@@ -102,6 +102,8 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> D
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                     setattr(module, name, buf.to(dtype))
+    log.info("optstate: cast %d parameters (%d elements) to %s; their fp32 remainder seeds the master weights",
+             n, elements, dtype)
     return {"params": n, "elements": elements}
 
 
@@ -176,25 +178,16 @@ def export_masters(engine, param_groups, exported: dict, device="cpu") -> dict:
     ``exported["master_weights"] = {param index: fp32 master}`` for every parameter whose
     policy keeps master weights. A plain optimizer loads the state; the masters go into an fp32
     model (see :func:`master_state_dict`)."""
-    masters, index = {}, 0
-    for g in param_groups:
-        for p in g["params"]:
-            entry = exported["state"].get(index)
-            if entry is not None:
-                entry.pop(MASTER_KEY, None)
-            if p.dtype == torch.bfloat16 and engine.policy.master_codec(_info(engine, p)) is not None:
-                masters[index] = master_of(engine, p).to(device)
-            index += 1
+    masters = {}
+    for p, info in engine.param_infos():  # the live groups, in checkpoint order
+        entry = exported["state"].get(info.index)
+        if entry is not None:
+            entry.pop(MASTER_KEY, None)
+        if p.dtype == torch.bfloat16 and engine.policy.master_codec(info) is not None:
+            masters[info.index] = master_of(engine, p).to(device)
     if masters:
         exported[EXPORT_KEY] = masters
     return exported
-
-
-def _info(engine, param):
-    for p, info in engine.param_infos():
-        if p is param:
-            return info
-    raise ValueError("parameter is not in the optimizer's groups")
 
 
 def master_state_dict(model: torch.nn.Module, optimizer) -> Dict[str, torch.Tensor]:
