@@ -55,6 +55,8 @@ class OptStateCallback(TrainerCallback):
     - Step boundaries: binds the optimizer to Accelerate's ``sync_gradients``, so the engine knows
       which micro-batch's backward ends in an optimizer step (prefetch of offloaded state runs
       only there).
+    - Clipping: with ``release_gradients`` the Trainer's ``max_grad_norm`` goes to the optimizer
+      (its own clipping after backward would see no gradient) and the Trainer's is turned off.
     - Warmup switching: feeds each logged training loss (``logs["loss"]``, averaged over ranks
       and so identical on all of them) to an ``AdaptiveWarmupPolicy``; the policy's phase is
       part of the optimizer's state_dict (``optimizer.pt``), so a resumed run stays in it.

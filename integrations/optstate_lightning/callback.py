@@ -10,7 +10,9 @@ class of ``lightning.pytorch`` or ``pytorch_lightning``. It:
   optimizer step (automatic optimization; the last micro-batch of an epoch steps too);
 * feeds policies that want the training loss (AdaptiveWarmupPolicy) the mean loss of each
   accumulation window, averaged over all ranks, so every rank switches at the same step;
-* logs ``VirtualOptimizer.log_metrics()`` through ``pl_module.log_dict`` after each step.
+* logs ``VirtualOptimizer.log_metrics()`` through ``pl_module.log_dict`` after each step;
+* with ``release_gradients=True``, hands ``gradient_clip_val`` to the optimizers (norm clipping)
+  and turns Lightning's own clipping off (value clipping is refused).
 """
 from __future__ import annotations
 
