@@ -150,7 +150,7 @@ class Engine:
         self.placement.assign_residency(works, self.step_count)
         passthrough, fused, tiled = [], [], []
         for w in works:
-            if not self.conformer.needs_tiles(w):
+            if not self.conformer.needs_tiles(w) and self.policy.master_codec(w.info) is None:
                 passthrough.append(w)
                 continue
             plan = self.fused.plan(w)

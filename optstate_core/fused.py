@@ -22,11 +22,14 @@ from .dtensor import is_dtensor, like_param, local
 from .fused_launch import BF16, FP32, INT4, INT8, P_KINDS
 from .kernels import interpreting, triton_error
 from .kernels.launch import MAX_TENSORS
+from .master_weights import MASTER_KEY
 from .store import allocate_many
+from . import master_weights
 
 log = logging.getLogger("optstate")
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER_BITS = {"corr16": 16, "corr8": 8}  # correction codecs the Adam kernel's master-weight path takes
 
 
 def state_kind(codec) -> Optional[int]:
@@ -89,16 +92,26 @@ class FusedPath:
             return self._fallback("a non-contiguous parameter or gradient, or a gradient of another dtype")
         if p.numel() == 0:
             return None
+        master, master_codec = 0, self.engine.policy.master_codec(w.info)
+        if master_codec is not None:
+            if kind != "adam" or p.dtype != torch.bfloat16 or master_codec.name not in MASTER_BITS:
+                return self._fallback("master weights other than Adam/AdamW on bf16 parameters with a corr16/corr8 "
+                                      "correction")
+            master_codec = self.engine.codec_of(w, MASTER_KEY)
+            master = MASTER_BITS.get(master_codec.name)
+            if master is None:
+                return self._fallback(f"master-weight correction codec {master_codec!r} has no kernel")
         codecs = [self.engine.codec_of(w, k) for k in keys]
         kinds = [state_kind(c) for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
-        tiers = {self.engine.tier_of(w, k) for k in keys}
+        tiers = {self.engine.tier_of(w, k) for k in keys + ((MASTER_KEY,) if master else ())}
         if len(tiers) != 1:
             return self._fallback("a parameter with states in different tiers")
         offload = tiers == {"host"}
         if offload:  # a parameter streams in row pieces: one row must fit a chunk (half the ring)
-            row = sum(c.nbytes(1, w.cols, torch.float32 if c.lossless else p.dtype) + 64 for c in codecs)
+            row = sum(c.nbytes(1, w.cols, torch.float32 if c.lossless else p.dtype) + 64
+                      for c in codecs + ([master_codec] if master else []))
             if row > self.engine.placement.staging_size(p.device) // 2:
                 return self._fallback("one row of a parameter's state is larger than half the staging ring "
                                       "(raise staging_bytes)")
@@ -121,16 +134,23 @@ class FusedPath:
                 elif not (isinstance(value, EncodedTensor) and value.codec == codec and not value.host_tier
                           and value.device == p.device):
                     return None
-        if not allow_uncompressed and not offload and all(k == FP32 for k in kinds):
+        if master and w.state.get(MASTER_KEY) is not None:
+            value = w.state[MASTER_KEY]
+            if not (isinstance(value, EncodedTensor) and value.codec == master_codec and value.host_tier == offload
+                    and value.device == (torch.device("cpu") if offload else p.device) and value.payload_contiguous()):
+                return None
+        if not master and not allow_uncompressed and not offload and all(k == FP32 for k in kinds):
             return None  # uncompressed: torch's own implementation (passthrough) is exact
-        return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first, "offload": offload}
+        return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first, "offload": offload,
+                "master": master, "master_codec": master_codec if master else None}
 
     # -- launch ------------------------------------------------------------------------------------------
     def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:
         """Group planned parameters into launches; allocate state on a first step."""
         groups: Dict[tuple, list] = {}
         for w, plan in planned:
-            key = (w.info.group_index, plan["kind"], plan["first"], plan["offload"], w.param.dtype, w.param.device,
+            key = (w.info.group_index, plan["kind"], plan["first"], plan["offload"], plan["master"], w.param.dtype,
+                   w.param.device,
                    tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]), aligned_layout(w.param))
             groups.setdefault(key, []).append((w, plan))
         buckets = []
@@ -153,16 +173,30 @@ class FusedPath:
         for key, codec in zip(plan["keys"], plan["codecs"]):
             missing = [w for w in ws if w.state.get(key) is None]
             if missing:
-                dtype = torch.float32 if codec.lossless else missing[0].param.dtype
+                dtype = torch.float32 if codec.lossless or plan["master"] else missing[0].param.dtype
                 values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
                                        host=offload, pin_memory=offload and pin)
                 for w, value in zip(missing, values):
                     w.state[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
                         else value
+        missing = [w for w in ws if plan["master"] and w.state.get(MASTER_KEY) is None]
+        if missing:  # the correction starts from what cast_model dropped, else zero
+            codec = plan["master_codec"]
+            values = allocate_many(codec, [w.param.shape for w in missing], torch.float32, missing[0].param.device,
+                                   host=offload, pin_memory=offload and pin)
+            for w, value in zip(missing, values):
+                seed = master_weights.seed_of(w.key)
+                seed = torch.zeros(value.slab) if seed is None else seed.reshape(value.slab)
+                codec.encode_into(seed.to(value.device), value.payload, None)
+                master_weights.forget_seed(w.key)
+                w.state[MASTER_KEY] = value
 
     def _storage(self, w, plan):
-        """The state tensors the kernel reads and writes (local shards)."""
+        """The state tensors the kernel reads and writes (local shards); the master-weight
+        correction last."""
         out = [local(w.state[key]) for key in plan["keys"]]
+        if plan["master"]:
+            out.append(local(w.state[MASTER_KEY]))
         if plan["kind"] == "adam":
             step = w.state.get("step")
             if not isinstance(step, torch.Tensor) or step.device != w.param.device or step.dtype != torch.float32:

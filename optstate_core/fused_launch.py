@@ -121,7 +121,8 @@ class KernelLauncher:
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
-                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, **common)
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters,
+                **self._master(bucket, device), **common)
             if advance:
                 self.advance_steps(bucket)
         else:
@@ -138,6 +139,15 @@ class KernelLauncher:
         bucket.first = False if advance else bucket.first
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1
+
+    @staticmethod
+    def _master(bucket, device) -> dict:
+        """Kernel arguments of the master-weight path (the correction's pointer table, its bits);
+        none when the bucket keeps no master weights."""
+        bits = bucket.plan.get("master", 0)
+        if not bits:
+            return {}
+        return {"C": bucket.tables(len(bucket.plan["keys"]), device)[0], "MASTER": bits}
 
     def _seeds(self, indices, keys):
         """Counter-hash seeds per (parameter index, state), computed once."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .codecs import EncodedTensor
+from .master_weights import MASTER_KEY
 from .store import is_scalar_state, state_nbytes
 
 
@@ -18,16 +19,25 @@ def memory_report(engine, param_groups) -> dict:
 
     Keys: ``device_bytes``, ``host_bytes``, ``state_bytes`` (their sum), ``by_codec`` (bytes per
     codec name, ``fp32`` for raw state), ``n_params``, ``bits_per_param``, ``step``,
-    ``compression_active``, ``nonfinite_skipped``, and ``last_step`` (materialize / inner step /
-    commit / total milliseconds, chunks, tiles, bytes moved host->device and device->host).
+    ``compression_active``, ``nonfinite_skipped``, ``last_step`` (materialize / inner step /
+    commit / total milliseconds, chunks, tiles, bytes moved host->device and device->host),
+    ``training_bytes`` (``params``, ``master_correction``, ``gradients`` held now, and the other
+    ``optimizer_state``, each ``{"device": bytes, "host": bytes}``; the correction is also in
+    ``state_bytes``) and ``device_bytes_per_param`` (their device total per parameter; with
+    gradients released, call it between backward and ``step`` to see them at zero).
     """
     device_bytes = host_bytes = 0
     by_codec: Dict[str, int] = {}
     n_params = 0
+    training = {"params": {"device": 0, "host": 0}, "master_correction": {"device": 0, "host": 0},
+                "gradients": {"device": 0, "host": 0}, "optimizer_state": {"device": 0, "host": 0}}
     for group in param_groups:
         for p in group["params"]:
             n_params += p.numel()
-            for value in engine.state.get(p, {}).values():
+            training["params"]["device"] += p.numel() * p.element_size()
+            if p.grad is not None:
+                training["gradients"]["device"] += p.grad.numel() * p.grad.element_size()
+            for key, value in engine.state.get(p, {}).items():
                 nbytes = 0 if is_scalar_state(value) else state_nbytes(value)
                 if not nbytes:
                     continue
@@ -42,6 +52,8 @@ def memory_report(engine, param_groups) -> dict:
                     host_bytes += nbytes
                 else:
                     device_bytes += nbytes
+                part = "master_correction" if key == MASTER_KEY else "optimizer_state"
+                training[part]["host" if host else "device"] += nbytes
     state_bytes = device_bytes + host_bytes
     return {
         "device_bytes": device_bytes,
@@ -54,6 +66,8 @@ def memory_report(engine, param_groups) -> dict:
         "compression_active": engine.policy.active(max(engine.step_count - 1, 0)),  # phase of the last step
         "nonfinite_skipped": engine.nonfinite_skipped(),
         "last_step": engine.metrics.as_dict(),
+        "training_bytes": training,
+        "device_bytes_per_param": (sum(v["device"] for v in training.values()) / n_params) if n_params else 0.0,
     }
 
 

@@ -6,9 +6,10 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checkpoint, metrics
+from . import checkpoint, master_weights, metrics
 from .engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
+from .release import GradientRelease, check_clip_options, check_release_supported
 from .units import parse_bytes
 
 log = logging.getLogger("optstate")
@@ -66,6 +67,14 @@ class VirtualOptimizer(torch.optim.Optimizer):
             hooks as gradients become ready, on micro-batches that end in a step.
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
             integration that feeds a better signal (window mean, all-reduced) turns this off.
+        release_gradients: on the micro-batch that ends in a step (see :meth:`set_step_boundary`),
+            update each parameter in its post-accumulate-grad hook and free its gradient at
+            once; ``step()`` then only advances the step. One process, no ``gpu_budget``, no
+            GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.release`.
+        max_grad_norm: clip gradients to this 2-norm before the update (None: no clipping).
+        clip_mode: ``"auto"`` (``"global"`` without release, ``"previous"`` with it),
+            ``"global"`` (torch's ``clip_grad_norm_`` over all gradients in ``step()``),
+            ``"previous"`` (scale by the previous step's global norm) or ``"per_tensor"``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, *,
@@ -75,7 +84,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
-                 staging_bytes="256MB", prefetch_during_backward: bool = False):
+                 staging_bytes="256MB", prefetch_during_backward: bool = False, release_gradients: bool = False,
+                 max_grad_norm=None, clip_mode: str = "auto"):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -117,6 +127,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
             raise ValueError(f"prefetch_during_backward must be True or False, got {prefetch_during_backward!r}")
         if not isinstance(observe_closure_loss, bool):
             raise ValueError(f"observe_closure_loss must be True or False, got {observe_closure_loss!r}")
+        if not isinstance(release_gradients, bool):
+            raise ValueError(f"release_gradients must be True or False, got {release_gradients!r}")
+        max_grad_norm, clip_mode = check_clip_options(max_grad_norm, clip_mode, release_gradients)
         if elementwise is not None and not isinstance(elementwise, bool):
             raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
         if chunk_size is None and chunk_size_on_cuda is not None and any(
@@ -130,6 +143,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
                         fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
                         staging_bytes=staging_bytes, prefetch_during_backward=prefetch_during_backward)
         engine.placement.offload_all = offload
+        engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode)
+        if release_gradients:
+            check_release_supported(engine, [p for g in optimizer.param_groups for p in g["params"]])
+            engine.schedule.release = engine.gradient_release
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -141,7 +158,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self.state = engine.state
         optimizer.state = engine.state
         engine.observe_closure_loss = observe_closure_loss
-        if prefetch_during_backward:
+        if prefetch_during_backward or release_gradients:
             engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
@@ -159,7 +176,11 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if loss is not None and engine.policy.wants_loss and engine.observe_closure_loss:
             engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
         with torch.no_grad():
+            clipping = engine.gradient_release
+            if clipping.release or clipping.max_grad_norm is not None:
+                clipping.before_step([p for g in self.param_groups for p in g["params"]])
             engine.step()
+            clipping.after_step()
         engine.inner._opt_called = True  # a scheduler built on the inner optimizer must not warn
         return loss
 
@@ -171,7 +192,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if engine is None:  # called by Optimizer.__init__ with the inner's groups: shared, not copied
             return
         engine.inner.add_param_group(param_group)
-        if engine.prefetch_during_backward:
+        if engine.prefetch_during_backward or engine.gradient_release.release:
             engine.schedule.register_hooks(engine.inner.param_groups[-1]["params"])
 
     def state_dict(self) -> dict:
@@ -193,13 +214,18 @@ class VirtualOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict, masters = master_weights.prepare_load(self._engine, self.param_groups, state_dict)
         checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
+        master_weights.apply_masters(self._engine, masters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def export_state_dict(self, device="cpu") -> dict:
-        """A plain torch state_dict (decoded state) that the unwrapped optimizer can load."""
-        return checkpoint.export_state_dict(self._engine, self.param_groups, device=device)
+        """A plain torch state_dict (decoded state) that the unwrapped optimizer can load. With
+        master weights it has one more entry, ``"master_weights"``: ``{parameter index: fp32
+        master}`` (the correction itself is not exported); loading it back restores them."""
+        exported = checkpoint.export_state_dict(self._engine, self.param_groups, device=device)
+        return master_weights.export_masters(self._engine, self.param_groups, exported, device=device)
 
     def train(self, mode: bool = True):
         fn = getattr(self._engine.inner, "train" if mode else "eval", None)
@@ -224,6 +250,32 @@ class VirtualOptimizer(torch.optim.Optimizer):
         """Release staging memory, pinned host buffers and all state; the optimizer is done.
         Save ``state_dict()`` first if you need it."""
         self._engine.close()
+
+    # -- gradient release and clipping ------------------------------------------------------------
+    @property
+    def release_gradients(self) -> bool:
+        """Whether gradients are applied and freed in backward (see the constructor option)."""
+        return self._engine.gradient_release.release
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """The clipping norm (None: no clipping); integrations route their clipping setting here."""
+        return self._engine.gradient_release.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        gr = self._engine.gradient_release
+        gr.max_grad_norm, _ = check_clip_options(value, gr.clip_mode, gr.release)
+
+    @property
+    def clip_mode(self) -> str:
+        return self._engine.gradient_release.clip_mode
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The global 2-norm of the last step's gradients before clipping (None before the first
+        step, or when neither clipping nor release computed it)."""
+        return self._engine.gradient_release.last_grad_norm
 
     # -- optstate API ---------------------------------------------------------------------------
     @property

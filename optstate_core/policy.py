@@ -14,6 +14,10 @@ from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from .codecs import Codec, FP32Codec, get_codec
+from .master_weights import MASTER_DTYPES, MASTER_KEY
+
+#: codecs a master-weight correction may use
+MASTER_CODECS = ("corr16", "corr8", "fp32")
 
 CodecSpec = Union[str, Codec, None]
 
@@ -52,6 +56,11 @@ class Policy:
 
     def tier_for(self, info: ParamInfo, key: str, step: int) -> str:
         return "device"
+
+    def master_codec(self, info: ParamInfo) -> Optional[Codec]:
+        """The codec of a parameter's master-weight correction (``master_correction``), or None
+        when the parameter keeps no master weights (its own dtype is the master)."""
+        return None
 
     def may_compress(self, info: ParamInfo, step: int) -> bool:
         """Whether any state of this parameter may be stored compressed or off-device at ``step``."""
@@ -118,12 +127,17 @@ class WarmupPolicy(Policy):
             above, e.g. ``{"embed": "fp32"}``. Names come from ``named_parameters``, from
             ``param_names`` in the optimizer's groups, or from :meth:`bind_names`.
         named_parameters: ``model.named_parameters()`` or a module, to learn names.
+        master_correction: keep fp32 master weights for bfloat16 parameters as the state
+            ``master_correction`` in this codec: ``corr16`` (exact fp32 master, 2 bytes per
+            element), ``corr8`` (16-bit significand, 1 byte) or ``fp32``; None (default): off.
+            Used from the first step (no warmup); see :mod:`optstate_core.master_weights`.
     """
 
     def __init__(self, warmup_steps: int = 100, momentum_key: str = "exp_avg", variance_key: str = "exp_avg_sq",
                  variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
                  small_tensor_codec: CodecSpec = None, device_resident: Optional[bool] = None,
-                 momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None):
+                 momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None,
+                 master_correction: CodecSpec = None):
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not isinstance(min_int8_elements, int) or isinstance(min_int8_elements, bool) or min_int8_elements < 0:
@@ -142,6 +156,10 @@ class WarmupPolicy(Policy):
         self.small_tensor_codec = get_codec(small_tensor_codec)
         self.device_resident = device_resident
         self.rules = _parse_rules(rules)
+        self.master_correction = None if master_correction is None else get_codec(master_correction)
+        if self.master_correction is not None and self.master_correction.name not in MASTER_CODECS:
+            raise ValueError(f"master_correction must be one of {', '.join(MASTER_CODECS)} or None, "
+                             f"got {master_correction!r}")
         self._names: Dict[int, str] = {}
         self._cache: Dict[tuple, Codec] = {}
         if named_parameters is not None:
@@ -162,6 +180,8 @@ class WarmupPolicy(Policy):
 
     # -- decisions -------------------------------------------------------------------------
     def role_of(self, key: str) -> Optional[str]:
+        if key == MASTER_KEY:
+            return "master"
         if key == self.momentum_key or (key in SIGNED_KEYS and key != self.variance_key):
             return "momentum"
         if key == self.variance_key or key in NONNEGATIVE_KEYS:
@@ -200,17 +220,28 @@ class WarmupPolicy(Policy):
             self._cache[cache_key] = codec
         return codec
 
+    def master_codec(self, info):
+        if self.master_correction is None or info.dtype not in MASTER_DTYPES or info.numel == 0:
+            return None
+        return self.master_correction
+
     def codec_for(self, info, key, step):
+        if key == MASTER_KEY:  # the master exists from the first step: no warmup for it
+            return self.master_codec(info) or FP32Codec()
         if not self.active(step):
             return FP32Codec()
         return self._configured(info, key)
 
     def tier_for(self, info, key, step):
+        if self.device_resident is False and key == MASTER_KEY:
+            return "host"
         if self.device_resident is False and self.active(step) and self.role_of(key) is not None:
             return "host"
         return "device"
 
     def may_compress(self, info, step):
+        if self.master_codec(info) is not None:
+            return True
         if not self.active(step) or info.is_complex or info.numel == 0:
             return False
         if self.device_resident is False:
@@ -218,8 +249,9 @@ class WarmupPolicy(Policy):
         return any(not self._configured(info, k).lossless for k in (self.momentum_key, self.variance_key))
 
     def describe(self):
+        master = f", master_correction={self.master_correction!r}" if self.master_correction is not None else ""
         return (f"{type(self).__name__}(warmup_steps={self.warmup_steps}, momentum={self.momentum_codec!r}, "
-                f"variance={self.variance_codec!r})")
+                f"variance={self.variance_codec!r}{master})")
 
 
 class AdaptiveWarmupPolicy(WarmupPolicy):
@@ -238,9 +270,10 @@ class AdaptiveWarmupPolicy(WarmupPolicy):
                  variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
                  small_tensor_codec: CodecSpec = None, patience: int = 5, tol: float = 1e-3,
                  device_resident: Optional[bool] = None, momentum_codec: CodecSpec = "int8", rules=None,
-                 named_parameters=None):
+                 named_parameters=None, master_correction: CodecSpec = None):
         super().__init__(warmup_steps, momentum_key, variance_key, variance_codec, min_int8_elements,
-                         small_tensor_codec, device_resident, momentum_codec, rules, named_parameters)
+                         small_tensor_codec, device_resident, momentum_codec, rules, named_parameters,
+                         master_correction)
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         if not (isinstance(tol, (int, float)) and 0 <= tol < 1):

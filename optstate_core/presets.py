@@ -28,6 +28,14 @@ PRESETS = {
     # 300-step task: +1.41% of AdamW's tail loss, where "4bit", small tensors fp32, is +0.31%)
     "4bit-all": dict(warmup_steps=0, momentum_codec="int4", variance_codec="int4", min_int8_elements=0),
 }
+# bf16 parameters with fp32 master weights kept as optimizer state (see master_weights.py; cast the
+# model with optstate_core.cast_model): "bf16w-*" keep the exact fp32 master (int16 correction),
+# "-lean" a 16-bit-significand master (int8 correction). Bytes per parameter on the device with
+# bf16 gradients: bf16w-8bit 2+2+2+2, bf16w-4bit 2+2+1+2, bf16w-8bit-lean 2+1+2+2, bf16w-4bit-lean
+# 2+1+1+2 (weights + correction + moments + gradient; 2 fewer with gradient release).
+for _moments in ("8bit", "4bit"):
+    PRESETS[f"bf16w-{_moments}"] = dict(PRESETS[_moments], master_correction="corr16")
+    PRESETS[f"bf16w-{_moments}-lean"] = dict(PRESETS[_moments], master_correction="corr8")
 PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 
@@ -38,6 +46,14 @@ def make_policy(preset: str = "default", **overrides) -> WarmupPolicy:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
     return WarmupPolicy(**{**PRESETS[name], **overrides})
+
+
+def has_master_weights(preset: Optional[str]) -> bool:
+    """Whether a preset keeps fp32 master weights for bf16 parameters (the ``bf16w-*`` presets:
+    cast the model with :func:`optstate_core.cast_model` first)."""
+    if preset is None:
+        return False
+    return PRESETS[PRESET_ALIASES.get(preset, preset)].get("master_correction") is not None
 
 
 def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = None, **options) -> VirtualOptimizer:

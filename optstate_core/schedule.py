@@ -2,7 +2,8 @@
 
 1. **Backward** (post-accumulate-grad hooks, on the micro-batch that ends an accumulation
    window): as a parameter's gradient becomes final, its offloaded state starts uploading into
-   the staging ring (``prefetch_during_backward``).
+   the staging ring (``prefetch_during_backward``), or the parameter is updated and its
+   gradient freed at once (``release_gradients``, see :mod:`~optstate_core.release`).
 2. **step()**: resident buckets update at once; streamed buckets go through the ring chunk by
    chunk (upload, fused update, write-back), prefetched ones first.
 3. **Behind the next forward**: write-backs run on their own stream; the step returns without
@@ -54,16 +55,17 @@ class StepSchedule:
         self.prefetched_bytes = 0
         self._where: Dict[int, tuple] = {}
         self._hooks = []
+        self.release = None  # GradientRelease (release.py) when gradients are released in backward
 
     # -- phase 1: backward ------------------------------------------------------------------------
     def register_hooks(self, params) -> None:
-        """Post-accumulate-grad hooks that call :meth:`prefetch` (the schedule is held weakly)."""
+        """Post-accumulate-grad hooks that call :meth:`gradient_ready` (the schedule is held weakly)."""
         ref = weakref.ref(self)
 
         def hook(param):
             schedule = ref()
             if schedule is not None:
-                schedule.prefetch(param)
+                schedule.gradient_ready(param)
 
         for p in params:
             if p.requires_grad:
@@ -73,6 +75,14 @@ class StepSchedule:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def gradient_ready(self, param) -> None:
+        """Backward hook body: prefetch offloaded state, or (on the step boundary) release the
+        gradient: update the parameter now and free it (:mod:`~optstate_core.release`)."""
+        if self.engine.prefetch_during_backward:
+            self.prefetch(param)
+        if self.release is not None and self.boundary.will_step:
+            self.release(param)
 
     def prefetch(self, param) -> None:
         """Backward hook: start uploading this parameter's offloaded state (within half the ring)."""

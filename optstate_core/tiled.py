@@ -13,6 +13,7 @@ from typing import List
 
 import torch
 
+from . import master_weights
 from .codecs import EncodedTensor
 from .codecs.rounding import RoundingContext, state_seed, stream_key
 from .dtensor import local
@@ -85,9 +86,14 @@ class TiledStep:
             t0 = time.perf_counter()
             for tile in chunk:
                 self._materialize(tile)
+                if update and engine.policy.master_codec(tile.work.info) is not None:
+                    master_weights.open_tile(tile)
             t1 = time.perf_counter()
             if update:
                 run_inner(engine.inner, [(t.tensor, t.states, t.work.info.group_index) for t in chunk])
+                for tile in chunk:
+                    if tile.master is not None:
+                        master_weights.close_tile(tile)
             t2 = time.perf_counter()
             materialized = sum(_materialized_bytes(tile) for tile in chunk)
             engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, materialized)
@@ -98,6 +104,9 @@ class TiledStep:
             engine.metrics.inner_step_ms += (t2 - t1) * 1e3
             engine.metrics.commit_ms += (t3 - t2) * 1e3
             engine.metrics.tiles += len(chunk)
+        if update:
+            for w in works:
+                master_weights.forget_seed(w.key)
 
     def _materialize(self, tile: Tile) -> None:
         """Build the tile's parameter/gradient views and its full-precision state."""

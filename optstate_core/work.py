@@ -79,6 +79,7 @@ class Tile:
     whole: bool
     tensor: Optional[torch.Tensor] = None
     states: Dict[str, object] = field(default_factory=dict)
+    master: Optional[torch.Tensor] = None  # the bf16 view while ``tensor`` is the fp32 master
 
     @property
     def numel(self) -> int:

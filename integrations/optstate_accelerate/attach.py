@@ -5,6 +5,8 @@ import logging
 import weakref
 from typing import Optional
 
+import torch
+
 import optstate_core as oc
 
 from .metrics import log_metrics
@@ -47,6 +49,26 @@ class Attachment:
         self.optimizer.bind_step_boundary(self.source)
         if self.log_every is not None:
             self._hook = self.optimizer.register_step_post_hook(self._after_step)
+        if self.optimizer.release_gradients and self.accelerator is not None:
+            self.accelerator.clip_grad_norm_ = self._routed_clip_grad_norm  # this accelerator only
+
+    def _routed_clip_grad_norm(self, parameters, max_norm, norm_type=2):
+        """``accelerator.clip_grad_norm_`` when the optimizer releases gradients: they were
+        applied and freed in backward, so clipping after backward is the optimizer's job. A call
+        at the optimizer's ``max_grad_norm`` (or ``inf``, a norm query) returns this step's
+        pre-clip global norm; anything else cannot be honoured and raises."""
+        opt = self.optimizer
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_: norm_type={norm_type} cannot be applied with release_gradients=True; "
+                             "the optimizer clips 2-norms (max_grad_norm)")
+        if max_norm != float("inf") and opt.max_grad_norm != max_norm:
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): gradients are applied and freed in backward "
+                             f"(release_gradients=True), so clipping must be set beforehand: "
+                             f"optstate_accelerate.attach(accelerator, optimizer, max_grad_norm={max_norm}) or "
+                             f"optstate_core.wrap(..., max_grad_norm={max_norm}) (the optimizer clips at "
+                             f"{opt.max_grad_norm})")
+        norm = opt._engine.gradient_release.norm_so_far()
+        return norm if norm is not None else torch.zeros(())
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if self.accelerator is not None and self.optimizer.step_count % self.log_every == 0:
@@ -57,6 +79,9 @@ class Attachment:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.accelerator is not None and self.accelerator.__dict__.get("clip_grad_norm_") == \
+                self._routed_clip_grad_norm:
+            del self.accelerator.clip_grad_norm_
         if _attachments.get(self.optimizer) is self:
             self.optimizer.bind_step_boundary(None)
             del _attachments[self.optimizer]
@@ -69,7 +94,8 @@ class Attachment:
         return f"Attachment(log_every={self.log_every}, prefix={self.prefix!r})"
 
 
-def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: str = "optstate/") -> Attachment:
+def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: str = "optstate/",
+           max_grad_norm: Optional[float] = None) -> Attachment:
     """Make a (prepared) optstate optimizer follow ``accelerator``; call once after ``prepare``.
 
     - The optimizer reads its step boundary from ``accelerator.gradient_state.sync_gradients``,
@@ -78,8 +104,11 @@ def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: s
     - With ``log_every=N``, :func:`log_metrics` runs after every N-th optimizer step (skipped
       steps, e.g. fp16 overflow, do not count), with ``step=`` the optimizer's step count.
 
+    - With ``release_gradients=True`` on the optimizer, gradients are applied and freed in
+      backward: ``max_grad_norm`` sets the optimizer's clipping, and ``accelerator.clip_grad_norm_``
+      is routed to it (a call at that norm returns the step's norm; another norm raises).
     Attaching again replaces the previous attachment of the same optimizer. Returns an
-    :class:`Attachment` whose ``detach()`` undoes both.
+    :class:`Attachment` whose ``detach()`` undoes all of it.
     """
     check_accelerator(accelerator)
     vopt = unwrap_optimizer(optimizer)
@@ -87,6 +116,8 @@ def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: s
         raise ValueError(f"log_every must be None or an int >= 1, got {log_every!r}")
     if not isinstance(prefix, str):
         raise ValueError(f"prefix must be a string, got {type(prefix).__name__}")
+    if max_grad_norm is not None:
+        vopt.max_grad_norm = max_grad_norm  # validates (ValueError names max_grad_norm)
     previous = _attachments.get(vopt)
     if previous is not None:
         previous.detach()

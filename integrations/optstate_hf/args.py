@@ -71,6 +71,14 @@ def _tol(text) -> float:
     return value
 
 
+def _clip_mode(text) -> str:
+    from optstate_core.release import CLIP_MODES
+    s = str(text).strip().lower()
+    if s not in CLIP_MODES:
+        raise ValueError(f"must be one of {', '.join(CLIP_MODES)}")
+    return s
+
+
 def _size(text) -> Union[int, str]:
     """A byte count: an int, or a string such as ``64MB`` / ``2GiB`` (kept as text for the core)."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -113,6 +121,9 @@ KEYS: Dict[str, Key] = {
     "gpu_budget": Key(_size, "device bytes that offloaded state may occupy (pass-through to the core)", "wrap"),
     "prefetch_during_backward": Key(_bool, "fetch offloaded state during the backward that ends in a step "
                                            "(pass-through to the core)", "wrap"),
+    "release_gradients": Key(_bool, "update each parameter in backward and free its gradient; the Trainer's "
+                                    "max_grad_norm is routed to the optimizer", "wrap"),
+    "clip_mode": Key(_clip_mode, "how max_grad_norm clips: auto, global, previous or per_tensor", "wrap"),
 }
 #: wrap options that are forwarded only when the installed optstate_core accepts them.
 PASS_THROUGH = ("gpu_budget", "prefetch_during_backward")

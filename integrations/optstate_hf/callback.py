@@ -55,6 +55,8 @@ class OptStateCallback(TrainerCallback):
     - Step boundaries: binds the optimizer to Accelerate's ``sync_gradients``, so the engine knows
       which micro-batch's backward ends in an optimizer step (prefetch of offloaded state runs
       only there).
+    - Clipping: with ``release_gradients`` the Trainer's ``max_grad_norm`` goes to the optimizer
+      (its own clipping after backward would see no gradient) and the Trainer's is turned off.
     - Warmup switching: feeds each logged training loss (``logs["loss"]``, averaged over ranks
       and so identical on all of them) to an ``AdaptiveWarmupPolicy``; the policy's phase is
       part of the optimizer's state_dict (``optimizer.pt``), so a resumed run stays in it.
@@ -85,6 +87,9 @@ class OptStateCallback(TrainerCallback):
                              "optimizer_cls_and_kwargs=optstate_hf.optimizer_cls_and_kwargs(args), or "
                              "optimizers=(optstate_core.wrap(...), None)")
         self.optimizer = opt
+        if opt.release_gradients:
+            from .optimizer import route_max_grad_norm
+            route_max_grad_norm(args, opt)
         gradient_state = getattr(optimizer, "gradient_state", None)
         if gradient_state is not None:
             opt.bind_step_boundary(lambda: gradient_state.sync_gradients)

@@ -10,7 +10,9 @@ class of ``lightning.pytorch`` or ``pytorch_lightning``. It:
   optimizer step (automatic optimization; the last micro-batch of an epoch steps too);
 * feeds policies that want the training loss (AdaptiveWarmupPolicy) the mean loss of each
   accumulation window, averaged over all ranks, so every rank switches at the same step;
-* logs ``VirtualOptimizer.log_metrics()`` through ``pl_module.log_dict`` after each step.
+* logs ``VirtualOptimizer.log_metrics()`` through ``pl_module.log_dict`` after each step;
+* with ``release_gradients=True``, hands ``gradient_clip_val`` to the optimizers (norm clipping)
+  and turns Lightning's own clipping off (value clipping is refused).
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ class CallbackLogic:
         if changed:
             strategy.optimizers = wrapped  # also rebuilds the LightningOptimizer shells
         self.optimizers = [o for o in wrapped if isinstance(o, oc.VirtualOptimizer)]
+        self._route_clipping(trainer)
         self._feeds_loss = [self._take_over_loss_feed(o) for o in self.optimizers]
         self._steps_seen = [o.step_count for o in self.optimizers]
         self.switch_steps = [None] * len(self.optimizers)
@@ -103,6 +106,30 @@ class CallbackLogic:
             log.info("optstate: wrapped %s (%s)", type(opt).__name__, self.config.describe())
         self._ours[id(opt)] = vo
         return vo
+
+    def _route_clipping(self, trainer) -> None:
+        """With released gradients Lightning's clipping (before ``optimizer.step``) would see no
+        gradient: hand ``gradient_clip_val`` to the optimizers (norm clipping) and turn Lightning's
+        off; refuse what cannot be routed (value clipping, another norm already set)."""
+        releasing = [o for o in self.optimizers if o.release_gradients]
+        clip_val = getattr(trainer, "gradient_clip_val", None)
+        if not releasing or not clip_val:
+            return
+        algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+        algorithm = str(getattr(algorithm, "value", algorithm)).lower()  # GradClipAlgorithmType or a string
+        if algorithm != "norm":
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r} cannot be applied with release_gradients=True "
+                             "(gradients are applied and freed in backward); use gradient_clip_algorithm='norm', "
+                             "which the optimizer applies (clip_mode previous or per_tensor)")
+        for opt in releasing:
+            if opt.max_grad_norm is not None and opt.max_grad_norm != clip_val:
+                raise ValueError(f"gradient_clip_val={clip_val} but the optimizer (release_gradients=True) clips at "
+                                 f"max_grad_norm={opt.max_grad_norm}; set one of them")
+        for opt in releasing:
+            opt.max_grad_norm = float(clip_val)
+        trainer.gradient_clip_val = None
+        log.info("optstate: gradients are released in backward; gradient_clip_val=%s is applied by the optimizer "
+                 "and Lightning's own clipping is off", clip_val)
 
     @staticmethod
     def _take_over_loss_feed(opt: oc.VirtualOptimizer) -> bool:

@@ -166,6 +166,8 @@ class StateBytes:
     device: int = 0
     host: int = 0
     by_codec: Dict[str, int] = field(default_factory=dict)
+    correction_device: int = 0  # master-weight correction (part of device / host)
+    correction_host: int = 0
 
     @property
     def total(self) -> int:
@@ -175,17 +177,23 @@ class StateBytes:
 def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "adamw",
                 dtype: torch.dtype = torch.float32) -> StateBytes:
     """Bytes of optimizer state between steps: the preset's policy picks codec and tier per
-    (parameter, state key); ``preset=None`` is the unwrapped torch optimizer (raw tensors)."""
+    (parameter, state key); ``preset=None`` is the unwrapped torch optimizer (raw tensors). A
+    preset with master weights sees bf16 parameters, keeps its state in fp32 and adds the
+    ``master_correction`` state."""
     from ..codecs import FP32Codec
     from ..codecs.base import slab_shape
+    from ..master_weights import MASTER_KEY
     from ..policy import ParamInfo
-    from ..presets import make_policy
-    keys = OPTIMIZER_STATES[optimizer]
+    from ..presets import has_master_weights, make_policy
     policy = make_policy(preset) if preset is not None else None
+    master = has_master_weights(preset)
+    if master:
+        dtype = torch.float32
     out = StateBytes()
     for index, (name, shape) in enumerate(shapes):
-        info = ParamInfo(index, 0, tuple(shape), dtype, name)
+        info = ParamInfo(index, 0, tuple(shape), torch.bfloat16 if master else dtype, name)
         rows, cols = slab_shape(shape)
+        keys = OPTIMIZER_STATES[optimizer] + ((MASTER_KEY,) if master else ())
         for key in keys:
             if policy is None:
                 codec, tier = FP32Codec(), "device"
@@ -197,6 +205,9 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
                 out.host += nbytes
             else:
                 out.device += nbytes
+            if key == MASTER_KEY:
+                out.correction_host += nbytes if tier == "host" else 0
+                out.correction_device += nbytes if tier != "host" else 0
             out.by_codec[codec.name] = out.by_codec.get(codec.name, 0) + nbytes
     return out
 
@@ -208,6 +219,8 @@ class PlanRow:
     total_gpu: int
     fits: bool
     bits_per_param: float
+    weights: int = 0  # this row's parameter bytes (bf16 for master-weight presets)
+    grads: int = 0  # this row's gradient bytes at the step's peak
 
 
 @dataclass
@@ -224,10 +237,14 @@ class Plan:
 
 def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", presets: Sequence[str] = (),
               weights_dtype: str = "fp32", grads_dtype: Optional[str] = None, activations: int = 0,
-              source: str = "") -> Plan:
+              source: str = "", release_gradients: bool = False) -> Plan:
     """Per preset (and for the unwrapped optimizer first): state on GPU and host, the GPU total
-    (weights + grads + state on GPU + activations) and whether it fits in ``gpu_memory``."""
+    (weights + grads + state on GPU + activations) and whether it fits in ``gpu_memory``.
+    Master-weight presets (``bf16w-*``) hold bf16 weights and bf16 gradients whatever the dtypes
+    given; with ``release_gradients`` their gradients count as the largest parameter's only
+    (each is freed as soon as its parameter is updated in backward)."""
     from ..metrics import bits_per_param
+    from ..presets import has_master_weights
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     for arg, value in (("--weights-dtype", weights_dtype), ("--grads-dtype", grads_dtype or weights_dtype)):
@@ -238,11 +255,15 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     weights = n * _itemsize(wdtype)
     grads = n * _itemsize(gdtype)
     rows = []
+    largest = max((math.prod(s) for _, s in shapes), default=0)
     for preset in [None, *presets]:
         st = state_bytes(shapes, preset, optimizer, wdtype)
-        total = weights + grads + st.device + activations
+        w, g = weights, grads
+        if has_master_weights(preset):
+            w, g = 2 * n, (2 * largest if release_gradients else 2 * n)
+        total = w + g + st.device + activations
         rows.append(PlanRow(f"torch {optimizer}" if preset is None else preset, st, total, total <= gpu_memory,
-                            bits_per_param(st.total, n)))
+                            bits_per_param(st.total, n), w, g))
     return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source)
 
 
@@ -259,10 +280,15 @@ def format_plan(plan: Plan) -> str:
              f"weights {gib(plan.weights)} + grads {gib(plan.grads)} + activations {gib(plan.activations)} "
              f"+ optimizer state on the GPU; GPU memory {plan.gpu_memory / 1e9:.1f} GB = {gib(plan.gpu_memory)}",
              "",
-             "| preset | state on GPU | state on host | bits/param | total on GPU | fits |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| preset | weights + grads | master correction | state on GPU | state on host | bits/param | "
+             "GPU bytes/param | total on GPU | fits |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in plan.rows:
-        lines.append(f"| {r.name} | {gib(r.state.device)} | {gib(r.state.host)} | {r.bits_per_param:.1f} | "
+        corr = f"{gib(r.state.correction_device + r.state.correction_host)}" + (
+            " (host)" if r.state.correction_host else "")
+        per_param = (r.total_gpu - plan.activations) / plan.n_params if plan.n_params else 0.0
+        lines.append(f"| {r.name} | {gib(r.weights + r.grads)} | {corr} | {gib(r.state.device)} | "
+                     f"{gib(r.state.host)} | {r.bits_per_param:.1f} | {per_param:.2f} | "
                      f"{gib(r.total_gpu)} | {'yes' if r.fits else 'no'} |")
     fitting = [r.name for r in plan.rows if r.fits]
     lines.append("")
@@ -292,6 +318,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--grads-dtype", default=None, choices=sorted(DTYPES),
                         help="dtype of the gradients (default: the weights dtype)")
+    parser.add_argument("--release-gradients", action="store_true",
+                        help="master-weight presets free each gradient in backward (wrap(release_gradients="
+                             "True)): count only the largest parameter's gradient")
     parser.add_argument("--activations", default="0",
                         help="activation memory at your batch size, e.g. 10GB: measure it or estimate it "
                              "(default: 0)")
@@ -310,7 +339,7 @@ def plan_from_args(args) -> Plan:
         n = parse_count(args.params)
         shapes, source = approximate_shapes(n), f"--params {args.params} (approximate shapes)"
     return make_plan(shapes, gpu, args.optimizer, parse_presets(args.presets), args.weights_dtype,
-                     args.grads_dtype, activations, source)
+                     args.grads_dtype, activations, source, release_gradients=args.release_gradients)
 
 
 def run(args) -> int:

@@ -4,12 +4,14 @@ from __future__ import annotations
 from typing import Union
 
 from .base import Codec, EncodedTensor, slab_shape
+from .correction import Correction8Codec, Correction16Codec
 from .float import BF16Codec, FP16Codec, FP32Codec, IdentityCodec
 from .int4 import Int4Codec
 from .int8 import Int8Codec, Int8MomentumCodec
 
 CODECS = {
     "fp32": FP32Codec, "bf16": BF16Codec, "fp16": FP16Codec, "int8": Int8Codec, "int4": Int4Codec,
+    "corr16": Correction16Codec, "corr8": Correction8Codec,
 }
 ALIASES = {"none": "fp32", "identity": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
            "8bit": "int8", "4bit": "int4"}
@@ -47,4 +49,4 @@ def codec_from_config(config: dict) -> Codec:
 
 
 __all__ = ["Codec", "EncodedTensor", "slab_shape", "FP32Codec", "IdentityCodec", "BF16Codec", "FP16Codec",
-           "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "codec_from_config", "CODECS"]
+           "Int8Codec", "Int8MomentumCodec", "Int4Codec", "Correction16Codec", "Correction8Codec", "get_codec", "codec_from_config", "CODECS"]

@@ -67,6 +67,47 @@ def store_param(p, p_ptr, elem, sr_idx, mask, key, P_KIND: tl.constexpr, P_SR: t
 
 
 @triton.jit
+def load_master(p, C, t, elem, mask, MASTER: tl.constexpr):
+    """MASTER (8 or 16 correction bits): the fp32 master from the bf16 parameter ``p`` (widened:
+    its bits are b << 16) and its integer correction (twin: ``master_weights.join``)."""
+    if MASTER == 8:
+        c_ptr = tl.load(C + t).to(tl.pointer_type(tl.int8))
+        d = tl.load(c_ptr + elem, mask=mask, other=0).to(tl.int32) * 256
+    else:
+        c_ptr = tl.load(C + t).to(tl.pointer_type(tl.int16))
+        d = tl.load(c_ptr + elem, mask=mask, other=0).to(tl.int32)
+    bits = p.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    m = tl.where(mag < 0x7F800000, tl.maximum(mag + d, 0), mag)
+    return (m | (bits ^ mag)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_master(x, p_ptr, C, t, elem, mask, MASTER: tl.constexpr):
+    """MASTER: split the fp32 master into the bf16 parameter (nearest, ties away) and the
+    correction, stored in the same pass (twin: ``master_weights.split`` + the corr codecs)."""
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    finite = mag < 0x7F800000
+    m = tl.minimum(mag, 0x7F7F7FFF)
+    b = (m + 0x8000) >> 16
+    d = m - (b << 16)
+    b = tl.where(finite, b, (mag >> 16) | tl.where(mag > 0x7F800000, 0x40, 0))  # NaN stays NaN
+    d = tl.where(finite, d, 0)
+    low = ((b << 16) | (bits ^ mag)).to(tl.float32, bitcast=True)  # exactly a bf16 value
+    tl.store(p_ptr + elem, low.to(tl.bfloat16), mask=mask)
+    if MASTER == 8:
+        q = (d + 128) >> 8  # d / 256 rounded half to even, like torch.round
+        q = tl.where(((d & 255) == 128) & ((q & 1) != 0), q - 1, q)
+        q = tl.minimum(tl.maximum(q, -128), 127)
+        c_ptr = tl.load(C + t).to(tl.pointer_type(tl.int8))
+        tl.store(c_ptr + elem, q.to(tl.int8), mask=mask)
+    else:
+        c_ptr = tl.load(C + t).to(tl.pointer_type(tl.int16))
+        tl.store(c_ptr + elem, d.to(tl.int16), mask=mask)
+
+
+@triton.jit
 def program_tile(pid, PROG_START, N_TENSORS, NBLK: tl.constexpr, TPOW2: tl.constexpr):
     """Tensor ``t`` and first tile of program ``pid``: ``t`` = the number of tensors whose first
     program is <= pid, minus one, counted over the per-tensor prefix table in one vector load
@@ -181,7 +222,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
                 IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, V_POW: tl.constexpr = 0,
-                ITERS: tl.constexpr = 1):
+                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0):
     pid = tl.program_id(0)
     t, b_first = program_tile(pid, PROG_START, N_TENSORS, NBLK * ITERS, TPOW2)
     # per program (one tensor): pointers, bias corrections, rounding keys
@@ -210,6 +251,8 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
                                                                       NBLK, ALIGNED)
         p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
         g_in = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+        if MASTER != 0:  # master weights (bf16 parameter + correction C); off: the code below is unchanged
+            p = load_master(p, C, t, elem, mask, MASTER)
         g = g_in
         if MAXIMIZE:
             g = -g
@@ -260,7 +303,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
                         v_levels, v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW)
         if CHECK_FINITE:
             p_mask = mask & row_ok[:, None]
-        store_param(p, p_ptr, elem, sr_idx, p_mask, p_key, P_KIND, P_SR)
+        if MASTER != 0:
+            store_master(p, p_ptr, C, t, elem, p_mask, MASTER)
+        else:
+            store_param(p, p_ptr, elem, sr_idx, p_mask, p_key, P_KIND, P_SR)
 
 
 @triton.jit

@@ -1,0 +1,167 @@
+"""Gradient release and gradient-norm clipping: update each parameter in backward, free its gradient.
+
+With ``release_gradients=True``, on the micro-batch that ends an accumulation window (the step
+boundary, :class:`~optstate_core.schedule.StepBoundary`) the step schedule's backward hook
+(phase 1) hands each parameter here as soon as its gradient is final: it is clipped, checked
+for NaN/inf, updated through the engine's usual paths, and its gradient is freed at once, so
+the model's gradients never all exist together. ``step()`` then only advances the step count
+(and updates any parameter whose gradient was not released); ``zero_grad()`` has nothing left.
+
+Clipping (``max_grad_norm``) cannot see the global norm before the first update when gradients
+are released, so ``clip_mode`` chooses:
+
+* ``"global"`` (only without release): torch's ``clip_grad_norm_`` over every gradient in
+  ``step()``, exactly as a training loop would;
+* ``"previous"`` (release default): every gradient of step t is scaled by
+  ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}`` is the previous step's
+  global norm (computed during its release pass, pre-clip); the first step clips per tensor.
+  Same direction as global clipping, one step late: a sudden spike passes unclipped once;
+* ``"per_tensor"``: each gradient is scaled so that its own norm is at most ``max_grad_norm``
+  (no lag, but the global norm may reach ``sqrt(n_tensors) * max_grad_norm``).
+
+``last_grad_norm`` is the global 2-norm of the last step's gradients before clipping (a tensor).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import torch
+
+from .dtensor import is_dtensor
+from .gradients import collect
+from .inner import run_inner
+
+log = logging.getLogger("optstate")
+
+CLIP_MODES = ("auto", "global", "previous", "per_tensor")
+EPS = 1e-6
+
+
+def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
+    """Validate the clipping options; returns ``(max_grad_norm or None, effective mode)``."""
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
+                not max_grad_norm > 0 or max_grad_norm == float("inf"):
+            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        max_grad_norm = float(max_grad_norm)
+    if clip_mode not in CLIP_MODES:
+        raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}, got {clip_mode!r}")
+    if clip_mode == "auto":
+        clip_mode = "previous" if release else "global"
+    if release and clip_mode == "global":
+        raise ValueError("clip_mode='global' needs every gradient before the first update, which "
+                         "release_gradients=True frees in backward; use clip_mode='previous' or 'per_tensor'")
+    return max_grad_norm, clip_mode
+
+
+class GradientRelease:
+    """Per-parameter updates from the backward hook, and clipping for both modes of stepping."""
+
+    def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str):
+        self.engine = engine
+        self.release = release
+        self.max_grad_norm = max_grad_norm
+        self.clip_mode = clip_mode
+        self.last_grad_norm: Optional[torch.Tensor] = None  # global norm of the last step, pre-clip
+        self._scale: Optional[torch.Tensor] = None  # the previous step's clip factor ("previous")
+        self._sq_sum: Optional[torch.Tensor] = None  # this step's squared norms so far
+        self._infos: Dict[int, object] = {}
+        self.released = 0  # parameters updated in backward this step
+
+    # -- backward (phase 1 of the step schedule) ---------------------------------------------------
+    def __call__(self, param) -> None:
+        """Backward hook on the boundary micro-batch: clip, update this parameter, free its gradient."""
+        if param.grad is None:
+            return
+        info = self._info_of(param)
+        if info is None:
+            return
+        with torch.no_grad():
+            self._clip_one(param.grad)
+            self.step_params([(param, info)])
+        param.grad = None
+        self.released += 1
+
+    def _info_of(self, param):
+        info = self._infos.get(id(param))
+        if info is None:
+            self._infos = {id(p): i for p, i in self.engine.param_infos()}
+            info = self._infos.get(id(param))
+        return info
+
+    def step_params(self, items) -> None:
+        """Update these ``(param, ParamInfo)`` now through the engine's paths (no plan cache,
+        no step count advance: ``step()`` does that once)."""
+        engine = self.engine
+        works = collect(items, engine.state)
+        if engine.skip_nonfinite:
+            works = engine._drop_nonfinite(works)
+        for w in works:
+            if not engine.conformer.needs_tiles(w) and engine.policy.master_codec(w.info) is None:
+                run_inner(engine.inner, [(w.key, w.state, w.info.group_index)], engine.state)
+                continue
+            plan = engine.fused.plan(w)
+            if plan is not None:
+                engine.schedule.run(engine.fused.build([(w, plan)]))
+            else:
+                engine.tiled.run([w], update=True)
+        engine.invalidate_plan()
+
+    # -- clipping ----------------------------------------------------------------------------------
+    def _clip_one(self, grad: torch.Tensor) -> None:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        finite = torch.isfinite(norm)
+        sq = torch.where(finite, norm * norm, torch.zeros_like(norm))  # skipped (NaN) gradients do not count
+        self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq.to(self._sq_sum.device)
+        if self.max_grad_norm is None:
+            return
+        if self.clip_mode == "previous" and self._scale is not None:
+            grad.mul_(self._scale.to(grad.device, grad.dtype))
+        else:  # per tensor (and the first step of "previous")
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + EPS), max=1.0).to(grad.dtype))
+
+    def before_step(self, params) -> None:
+        """In ``step()``, before the update of the gradients still present: global clipping, or
+        the release modes' rule for gradients that were not released."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.release:
+            if self.max_grad_norm is not None and grads:
+                if self.clip_mode == "global":
+                    self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
+                                                                         self.max_grad_norm, foreach=None)
+                    return
+            for g in grads:
+                self._clip_one(g)
+            return
+        for g in grads:
+            self._clip_one(g)
+
+    def norm_so_far(self) -> Optional[torch.Tensor]:
+        """This step's global gradient norm over the gradients seen so far (pre-clip), else the
+        last step's: what a framework's clipping call after backward would have returned."""
+        return torch.sqrt(self._sq_sum) if self._sq_sum is not None else self.last_grad_norm
+
+    def after_step(self) -> None:
+        """End of ``step()``: the step's global norm, and the next step's clip factor."""
+        if self._sq_sum is not None:
+            self.last_grad_norm = torch.sqrt(self._sq_sum)
+            if self.max_grad_norm is not None and self.clip_mode == "previous":
+                self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
+        self._sq_sum = None
+        self.released = 0
+
+
+def check_release_supported(engine, params) -> None:
+    """Refuse what gradient release cannot do correctly (clear errors, nothing changed)."""
+    if engine.prefetch_during_backward:
+        raise ValueError("release_gradients=True and prefetch_during_backward=True cannot be combined: a released "
+                         "parameter is updated in backward already")
+    if engine.placement.gpu_budget is not None:
+        raise ValueError("release_gradients=True does not support gpu_budget yet (use offload=True or no budget)")
+    if any(is_dtensor(p) for p in params):
+        raise ValueError("release_gradients=True does not support FSDP2 (DTensor) parameters yet")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        raise ValueError("release_gradients=True under data parallelism would update parameters before their "
+                         "gradients are all-reduced (the hook runs on the local gradient); it needs one process")

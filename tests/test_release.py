@@ -1,0 +1,160 @@
+"""Gradient release: updates in backward match step(), gradients are freed at once, clipping modes."""
+import copy
+
+import pytest
+import torch
+
+import optstate_core as oc
+from optstate_core.master_weights import cast_model
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 4))
+
+
+def _batches(n, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 32, generator=g).to(dtype) for _ in range(n)]
+
+
+def _run(model, opt, batches, accumulate=1, release=False):
+    """Training loop with accumulation; returns the max number of gradients alive at once in
+    backward on boundary micro-batches (seen from a hook that runs after the release hook)."""
+    alive = []
+    params = list(model.parameters())
+
+    def count(_):
+        alive.append(sum(p.grad is not None for p in params))
+
+    handles = [p.register_post_accumulate_grad_hook(count) for p in params]
+    for i, x in enumerate(batches):
+        boundary = (i + 1) % accumulate == 0
+        opt.set_step_boundary(boundary)
+        before = len(alive)
+        model(x).float().pow(2).mean().backward()
+        if boundary:
+            if release:
+                assert all(p.grad is None for p in params)
+            snapshot = [p.detach().clone() for p in params]
+            opt.step()
+            if release:  # step() only advances: no second update
+                assert all(torch.equal(a, p) for a, p in zip(snapshot, params))
+            opt.zero_grad()
+        else:
+            assert all(p.grad is not None for p in params)
+            alive[before:] = []
+    for h in handles:
+        h.remove()
+    return max(alive, default=0)
+
+
+@pytest.mark.parametrize("preset,accumulate", [("fp32", 2), ("8bit", 1), ("bf16w-4bit-lean", 2),
+                                               ("bf16w-8bit", 1)])
+def test_release_matches_step_and_frees_gradients(preset, accumulate):
+    batches = _batches(6)
+    results = []
+    for release in (False, True):
+        model = _model()
+        dtype = torch.float32
+        if preset.startswith("bf16w"):
+            cast_model(model)
+            dtype = torch.bfloat16
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, release_gradients=release)
+        peak = _run(model, opt, [b.to(dtype) for b in batches], accumulate=accumulate, release=release)
+        results.append((model, opt, peak))
+    (m0, o0, peak0), (m1, o1, peak1) = results
+    assert peak0 == len(list(m0.parameters()))
+    if accumulate == 1:  # released: one gradient at a time (accumulated ones live until the boundary)
+        assert peak1 == 0  # after each release hook no gradient is left: at most one lives at a time
+    assert o0.step_count == o1.step_count == 6 // accumulate
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p, q)
+    s0, s1 = o0.state_dict(), o1.state_dict()
+    assert s0["optstate"]["step"] == s1["optstate"]["step"]
+    assert torch.equal(torch.as_tensor(s0["state"][0]["step"]), torch.as_tensor(s1["state"][0]["step"]))
+
+
+def test_release_checkpoint_resume_and_nan_skip():
+    model = _model()
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "8bit", release_gradients=True)
+    _run(model, opt, _batches(2), release=True)
+    saved = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = oc.wrap(torch.optim.AdamW(model2.parameters(), lr=1e-2), "8bit", release_gradients=True)
+    opt2.load_state_dict(saved)
+    for m, o in ((model, opt), (model2, opt2)):
+        _run(m, o, _batches(2, seed=5), release=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    # a NaN gradient: that parameter is skipped, the others are updated, the step still counts
+    first = model[0].weight
+    before = [p.detach().clone() for p in model.parameters()]
+    first.register_hook(lambda g: torch.full_like(g, float("nan")))
+    _run(model, opt, _batches(1, seed=7), release=True)
+    after = list(model.parameters())
+    assert torch.equal(before[0], after[0]) and not torch.equal(before[2], after[2])
+    assert opt.memory_report()["nonfinite_skipped"] >= 1
+
+
+def _clip_reference(model, opt_cls, batches, rule):
+    """Plain AdamW with a hand-written clipping rule(grads, step index, previous norm)."""
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    previous = None
+    for i, x in enumerate(batches):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        rule(grads, previous)
+        previous = norm
+        opt.step()
+
+
+def test_clip_modes_match_their_definitions():
+    batches = [b * 30 for b in _batches(4)]  # large gradients: clipping is active
+    max_norm = 0.05
+
+    def per_tensor(grads, previous):
+        for g in grads:
+            g.mul_(torch.clamp(max_norm / (torch.linalg.vector_norm(g) + 1e-6), max=1.0))
+
+    def previous_global(grads, previous):
+        if previous is None:
+            return per_tensor(grads, None)
+        for g in grads:
+            g.mul_(torch.clamp(max_norm / (previous + 1e-6), max=1.0))
+
+    def global_(grads, previous):
+        torch.nn.utils.clip_grad_norm_(grads and [p for p in ref.parameters()], max_norm)
+
+    for mode, rule, release in (("per_tensor", per_tensor, True), ("previous", previous_global, True),
+                                ("global", global_, False), ("per_tensor", per_tensor, False)):
+        ref = _model()
+        _clip_reference(ref, torch.optim.AdamW, batches, rule)
+        model = _model()
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "fp32", release_gradients=release,
+                      max_grad_norm=max_norm, clip_mode=mode)
+        _run(model, opt, batches, release=release)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{mode}, release={release}")
+        assert opt.last_grad_norm is not None and opt.last_grad_norm > max_norm
+
+
+def test_release_and_clip_options_are_validated():
+    params = list(_model().parameters())
+    with pytest.raises(ValueError, match="clip_mode='global'"):
+        oc.wrap(torch.optim.AdamW(params), "fp32", release_gradients=True, clip_mode="global")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        oc.wrap(torch.optim.AdamW(params), "fp32", max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="clip_mode"):
+        oc.wrap(torch.optim.AdamW(params), "fp32", clip_mode="sometimes")
+    with pytest.raises(ValueError, match="prefetch_during_backward"):
+        oc.wrap(torch.optim.AdamW(params), "fp32", release_gradients=True, prefetch_during_backward=True)
+    with pytest.raises(ValueError, match="release_gradients"):
+        oc.wrap(torch.optim.AdamW(params), "fp32", release_gradients="yes")
+    opt = oc.wrap(torch.optim.AdamW(params), "fp32", release_gradients=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        opt.max_grad_norm = 0
+    opt.max_grad_norm = 1.0
+    assert opt.max_grad_norm == 1.0 and opt.clip_mode == "previous" and opt.release_gradients
