@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .codecs import EncodedTensor
+from .dtensor import local
 from .store import is_scalar_state, state_nbytes
 
 
@@ -26,7 +27,7 @@ def memory_report(engine, param_groups) -> dict:
     n_params = 0
     for group in param_groups:
         for p in group["params"]:
-            n_params += p.numel()
+            n_params += local(p).numel()  # this process's shard under FSDP2
             for value in engine.state.get(p, {}).values():
                 nbytes = 0 if is_scalar_state(value) else state_nbytes(value)
                 if not nbytes:
