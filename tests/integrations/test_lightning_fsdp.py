@@ -81,3 +81,22 @@ def test_model_parallel_strategy_fsdp2(tmp_path):
         assert a["state"].keys() == b["state"].keys() and a["state"]
         for key in a["state"]:
             assert torch.equal(a["state"][key], b["state"][key]), key
+
+
+def test_fsdp1_strategy_is_refused_with_the_alternative():
+    """Lightning's FSDPStrategy (FSDP1, flattened parameters) is refused before anything is wrapped.
+    (The Trainer itself refuses FSDPStrategy on CPU, so the callback is called with its parts.)"""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from optstate_lightning import OptStateCallback
+
+    inner = torch.optim.AdamW(Regressor().parameters())
+    strategy = FSDPStrategy()
+    strategy.optimizers = [inner]
+    callback = OptStateCallback(policy="8bit")
+    fake_trainer = SimpleNamespace(strategy=strategy, callbacks=[callback])
+    with pytest.raises(ValueError, match="FSDPStrategy is FSDP1.*ModelParallelStrategy"):
+        callback.wrap_optimizers(fake_trainer, None)
+    assert strategy.optimizers == [inner] and callback.optimizers == []
