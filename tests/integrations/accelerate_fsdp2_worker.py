@@ -2,8 +2,9 @@
 
 Trains an MLP sharded by ``prepare(model, wrap(AdamW))`` with gradient accumulation and
 ``accelerator.clip_grad_norm_``, saves with ``accelerator.save_state`` (sharded DCP checkpoint) half
-way, continues; then a fresh model and optimizer ``load_state`` and continue from there. Rank 0
-writes a JSON summary; a single-process run on all ranks' data is the reference.
+way, continues (mode ``full``); mode ``resume`` builds a fresh model and optimizer, ``load_state`` and
+continues from there. Rank 0 writes a JSON summary; a single-process run on all ranks' data is the
+reference. ``python accelerate_fsdp2_worker.py MODE OUT_DIR [cuda]`` (cuda: 2 GPUs, NCCL).
 """
 import json
 import os
@@ -38,7 +39,7 @@ def data(rank, i):
 
 def train_windows(accelerator, model, optimizer, first, last, rank, norms):
     for i in range(ACCUM * first, ACCUM * last):
-        x, y = data(rank, i)
+        x, y = (t.to(accelerator.device) for t in data(rank, i))
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(x), y)
             accelerator.backward(loss)
@@ -49,16 +50,24 @@ def train_windows(accelerator, model, optimizer, first, last, rank, norms):
 
 
 def full_params(model):
-    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).float()
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).float().cpu()
                       for p in model.parameters()])
 
 
-def main(mode, out_dir):
+def main(mode, out_dir, device="cpu"):
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
                                             state_dict_type="SHARDED_STATE_DICT")
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, fsdp_plugin=plugin)
+    accelerator = Accelerator(cpu=device == "cpu", gradient_accumulation_steps=ACCUM, fsdp_plugin=plugin)
     rank, world = accelerator.process_index, accelerator.num_processes
-    assert world == 2 and torch.distributed.get_backend() == "gloo"
+    assert world == 2
+    if device == "cpu":
+        assert torch.distributed.get_backend() == "gloo"
+        switch_to_fsdp(accelerator, plugin)
+    assert accelerator.is_fsdp2, accelerator.distributed_type
+    run(accelerator, mode, out_dir, rank, world)
+
+
+def switch_to_fsdp(accelerator, plugin):
     # Accelerate picks FSDP only for accelerator devices (AcceleratorState.__init__); on CPU it
     # stays MULTI_CPU and ignores the plugin. Switch the shared state to FSDP after construction,
     # so that prepare / clip_grad_norm_ / save_state / load_state take their FSDP2 code paths.
@@ -67,8 +76,9 @@ def main(mode, out_dir):
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
-    assert accelerator.is_fsdp2, accelerator.distributed_type
 
+
+def run(accelerator, mode, out_dir, rank, world):
     model, vopt = build()
     model, optimizer = accelerator.prepare(model, vopt)
     osa.attach(accelerator, optimizer)
@@ -84,7 +94,7 @@ def main(mode, out_dir):
     train_windows(accelerator, model, optimizer, SAVE_AT, WINDOWS, rank, norms)
     params = full_params(model)
     torch.save({"params": params, "step": vopt.step_count,
-                "state": {k: getattr(v, "_local_tensor", v) for k, v in oc_tensors(vopt.state_dict())}},
+                "state": {k: getattr(v, "_local_tensor", v).cpu() for k, v in oc_tensors(vopt.state_dict())}},
                os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     gathered = accelerator.gather(torch.tensor([[vopt.memory_report()["state_bytes"], vopt.step_count]],
                                                dtype=torch.float64))
@@ -124,4 +134,4 @@ def oc_tensors(tree, prefix=""):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

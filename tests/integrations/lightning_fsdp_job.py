@@ -6,6 +6,7 @@ Checkpoints are taken at an epoch end: Lightning restarts an interrupted epoch's
 
 Lightning's popen launcher relaunches this script for rank 1. Each rank writes OUT_DIR/<phase>_rank<r>.pt:
 the full parameters, its local optimizer state, state bytes and the gradient norms it clipped.
+A 4th argument ``cuda`` runs it on 2 GPUs (NCCL).
 """
 import os
 import sys
@@ -22,7 +23,7 @@ ACCUM, EPOCHS, CLIP, N = 2, 2, 0.5, 96  # 48 samples per rank: 6 batches of 8, 3
 
 def local_tensors(tree, prefix=""):
     if isinstance(tree, torch.Tensor):
-        return {prefix: getattr(tree, "_local_tensor", tree).clone()}
+        return {prefix: getattr(tree, "_local_tensor", tree).detach().cpu().clone()}
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in local_tensors(sub, f"{prefix}/{key}").items()}
     if isinstance(tree, (list, tuple)):
@@ -53,14 +54,14 @@ class ShardedRegressor(Regressor):
 
     def on_fit_end(self):
         opt = self.trainer.optimizers[0]
-        params = torch.cat([p.full_tensor().detach().reshape(-1) for p in self.parameters()])
+        params = torch.cat([p.full_tensor().detach().cpu().reshape(-1) for p in self.parameters()])
         torch.save({"params": params, "state": local_tensors(opt.state_dict()), "step_count": opt.step_count,
                     "wrapped": type(opt).__name__, "sharded": all(type(p).__name__ == "DTensor" for p in self.parameters()),
                     "state_bytes": opt.memory_report()["state_bytes"], "norms": self.norms},
                    self.out_path.format(self.global_rank))
 
 
-def main(strategy_name: str, phase: str, out_dir: str) -> None:
+def main(strategy_name: str, phase: str, out_dir: str, device: str = "cpu") -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     assert strategy_name == "model_parallel", strategy_name
@@ -69,7 +70,7 @@ def main(strategy_name: str, phase: str, out_dir: str) -> None:
     if phase == "full":
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), every_n_epochs=1, save_top_k=-1,
                                          filename="{epoch}"))
-    tr = trainer(strategy=strategy, devices=2, accumulate_grad_batches=ACCUM, max_epochs=EPOCHS,
+    tr = trainer(strategy=strategy, devices=2, accelerator=device, accumulate_grad_batches=ACCUM, max_epochs=EPOCHS,
                  gradient_clip_val=CLIP, enable_checkpointing=phase == "full", callbacks=callbacks)
     model = ShardedRegressor(out_dir, phase)
     ckpt = os.path.join(out_dir, "ckpt", "epoch=0.ckpt") if phase == "resume" else None
@@ -77,4 +78,4 @@ def main(strategy_name: str, phase: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

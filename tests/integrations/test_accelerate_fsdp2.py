@@ -26,10 +26,10 @@ from test_accelerate_ddp import free_port  # noqa: E402
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_fsdp2_worker.py")
 
 
-def launch(mode, tmp_path):
+def launch(mode, tmp_path, device="cpu"):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), WORKER, mode, str(tmp_path)]
+           "--main_process_port", str(free_port()), WORKER, mode, str(tmp_path), device]
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

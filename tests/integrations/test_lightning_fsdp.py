@@ -21,13 +21,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def run_job(phase, out_dir):
+def run_job(phase, out_dir, device="cpu"):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), str(ROOT / "integrations")]))
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    job = subprocess.run([sys.executable, str(HERE / "lightning_fsdp_job.py"), "model_parallel", phase, str(out_dir)],
-                         env=env, capture_output=True, text=True, timeout=230)
+    job = subprocess.run([sys.executable, str(HERE / "lightning_fsdp_job.py"), "model_parallel", phase, str(out_dir),
+                          device], env=env, capture_output=True, text=True, timeout=230)
     assert job.returncode == 0, job.stderr[-3000:]
     return [torch.load(out_dir / f"{phase}_rank{r}.pt", weights_only=True) for r in range(2)]
 
