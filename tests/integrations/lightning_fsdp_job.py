@@ -55,8 +55,9 @@ class ShardedRegressor(Regressor):
     def on_fit_end(self):
         opt = self.trainer.optimizers[0]
         params = torch.cat([p.full_tensor().detach().cpu().reshape(-1) for p in self.parameters()])
+        sharded = all(type(p).__name__ == "DTensor" for p in self.parameters())
         torch.save({"params": params, "state": local_tensors(opt.state_dict()), "step_count": opt.step_count,
-                    "wrapped": type(opt).__name__, "sharded": all(type(p).__name__ == "DTensor" for p in self.parameters()),
+                    "wrapped": type(opt).__name__, "sharded": sharded,
                     "state_bytes": opt.memory_report()["state_bytes"], "norms": self.norms},
                    self.out_path.format(self.global_rank))
 
