@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .codecs import EncodedTensor
+from .dtensor import local
 from .master_weights import MASTER_KEY
 from .store import is_scalar_state, state_nbytes
 
@@ -33,10 +34,12 @@ def memory_report(engine, param_groups) -> dict:
                 "gradients": {"device": 0, "host": 0}, "optimizer_state": {"device": 0, "host": 0}}
     for group in param_groups:
         for p in group["params"]:
-            n_params += p.numel()
-            training["params"]["device"] += p.numel() * p.element_size()
+            lp = local(p)  # this process's shard under FSDP2
+            n_params += lp.numel()
+            training["params"]["device"] += lp.numel() * lp.element_size()
             if p.grad is not None:
-                training["gradients"]["device"] += p.grad.numel() * p.grad.element_size()
+                g = local(p.grad)
+                training["gradients"]["device"] += g.numel() * g.element_size()
             for key, value in engine.state.get(p, {}).items():
                 nbytes = 0 if is_scalar_state(value) else state_nbytes(value)
                 if not nbytes:

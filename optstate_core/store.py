@@ -13,6 +13,7 @@ from typing import Union
 import torch
 
 from .codecs import Codec, EncodedTensor
+from .dtensor import local
 
 
 class ParamState(dict):
@@ -100,9 +101,11 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
 
 
 def state_nbytes(value) -> int:
+    """Bytes this process holds for one state value (a DTensor counts its local shard only)."""
     if isinstance(value, EncodedTensor):
         return value.nbytes
     if isinstance(value, torch.Tensor):
+        value = local(value)
         return value.numel() * value.element_size()
     return 0
 

@@ -17,7 +17,7 @@ from .registration import OPTIM_NAMES, RegistrationError, is_registered, registe
 
 try:
     register()
-except RegistrationError as e:  # transformers 4.x: the fallback still works
+except RegistrationError as e:  # a transformers without the hooks: the fallback still works
     logging.getLogger("optstate.hf").warning("%s", e)
 
 __all__ = ["OptStateAdamW", "OptStateCallback", "OptimArgs", "OPTIM_ARGS_KEYS", "OPTIM_NAMES", "RegistrationError",

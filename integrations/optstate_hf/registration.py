@@ -1,17 +1,25 @@
-"""Make ``TrainingArguments(optim="optstate_adamw...")`` valid and dispatchable.
+"""Make ``TrainingArguments(optim="optstate_adamw...")`` valid and dispatchable (transformers 4.46+ and 5.x).
 
-transformers 5.x validates ``optim`` with the str Enum ``OptimizerNames`` and dispatches through
-the dict ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS`` (name -> handler returning
-``(optimizer_cls, kwargs)``). An Enum cannot be subclassed once it has members, so each name is
-added as a new member of ``OptimizerNames`` and its handler put in that dict. transformers 4.x
-has no handler dict; there :func:`register` raises :class:`RegistrationError` (use
-``Trainer(optimizer_cls_and_kwargs=...)`` instead).
+Two steps, the same on every supported transformers:
+
+- Validation: ``TrainingArguments.__post_init__`` runs ``OptimizerNames(self.optim)``, a str Enum
+  that cannot be subclassed once it has members, so each name is added as a new member.
+- Dispatch: ``Trainer.create_optimizer`` asks the public static method
+  ``Trainer.get_optimizer_cls_and_kwargs(args, model)`` for ``(optimizer_cls, kwargs)``. In 4.x it is
+  one long if/elif over the names, in 5.x a lookup in a private handler dict; both are reached
+  through that method, so it is wrapped: our names are answered here, every other name goes to the
+  original method unchanged. Subclasses (``Seq2SeqTrainer``, TRL's trainers) inherit the wrapper.
+
+If the installed transformers lacks either hook, :func:`register` raises :class:`RegistrationError`
+before changing anything (``Trainer(optimizer_cls_and_kwargs=...)`` still works there).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from enum import Enum
-from typing import Dict
+from typing import Callable, Dict
 
 log = logging.getLogger("optstate.hf")
 
@@ -22,26 +30,43 @@ OPTIM_NAMES: Dict[str, str] = {
     "optstate_adamw_4bit": "4bit",
     "optstate_adamw_offload": "offload",
 }
+HOOK = "get_optimizer_cls_and_kwargs"
+_FALLBACK = ("Pass the optimizer instead: Trainer(..., optimizer_cls_and_kwargs="
+             "optstate_hf.optimizer_cls_and_kwargs(args, preset='default'))")
 
 
 class RegistrationError(RuntimeError):
     """The installed transformers offers no way to register an ``optim`` name."""
 
 
-def _handler_registry() -> dict:
+def _version() -> str:
     import transformers
 
-    try:
-        from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
-    except ImportError:
-        _OPTIMIZER_HANDLERS = None
-    if not isinstance(_OPTIMIZER_HANDLERS, dict):
+    return getattr(transformers, "__version__", "?")
+
+
+def _optimizer_names():
+    from transformers.training_args import OptimizerNames
+
+    if not (isinstance(OptimizerNames, type) and issubclass(OptimizerNames, Enum) and issubclass(OptimizerNames, str)):
+        raise RegistrationError(f"transformers {_version()}: transformers.training_args.OptimizerNames is not a str "
+                                f"Enum, so optim names cannot be added. {_FALLBACK}")
+    return OptimizerNames
+
+
+def _dispatch_hook():
+    """The Trainer class and its static ``get_optimizer_cls_and_kwargs(args, model=None)``."""
+    from transformers import Trainer
+
+    raw = Trainer.__dict__.get(HOOK)
+    fn = raw.__func__ if isinstance(raw, staticmethod) else None
+    params = list(inspect.signature(fn).parameters) if fn is not None else []
+    if fn is None or params[:2] != ["args", "model"]:
         raise RegistrationError(
-            f"transformers {transformers.__version__} has no optimizer handler registry "
-            "(transformers.trainer_optimizer._OPTIMIZER_HANDLERS, transformers >= 5), so "
-            "TrainingArguments(optim='optstate_adamw') cannot be supported. Pass the optimizer instead: "
-            "Trainer(..., optimizer_cls_and_kwargs=optstate_hf.optimizer_cls_and_kwargs(args, preset='default'))")
-    return _OPTIMIZER_HANDLERS
+            f"transformers {_version()}: Trainer.{HOOK} is not the static method (args, model) that optstate_hf "
+            f"wraps to dispatch optim='optstate_adamw...' (found {type(raw).__name__} with parameters {params}). "
+            f"{_FALLBACK}")
+    return Trainer, fn
 
 
 def add_enum_member(enum_cls, name: str, value: str):
@@ -66,36 +91,38 @@ def add_enum_member(enum_cls, name: str, value: str):
     return member
 
 
-def _make_handler(preset: str):
-    def handler(ctx):
+def _wrap(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        optim = getattr(args.optim, "value", args.optim)
+        preset = OPTIM_NAMES.get(optim)
+        if preset is None:
+            return original(args, model)
         from .optimizer import optimizer_cls_and_kwargs
 
-        return optimizer_cls_and_kwargs(ctx.args, preset=preset, optim_args=ctx.optim_args)
+        return optimizer_cls_and_kwargs(args, preset=preset)
 
-    handler.__name__ = handler.__qualname__ = f"optstate_handler_{preset}"
-    return handler
+    get_optimizer_cls_and_kwargs.optstate_original = original
+    return get_optimizer_cls_and_kwargs
 
 
 def register() -> None:
-    """Register every name of :data:`OPTIM_NAMES` (idempotent). Raises RegistrationError on
-    a transformers without the handler registry (4.x)."""
-    from transformers.training_args import OptimizerNames
-
-    if not (isinstance(OptimizerNames, type) and issubclass(OptimizerNames, Enum)):
-        raise RegistrationError("transformers.training_args.OptimizerNames is not an Enum")
-    handlers = _handler_registry()
-    for optim, preset in OPTIM_NAMES.items():
-        member = add_enum_member(OptimizerNames, optim.upper(), optim)
-        handlers[member] = _make_handler(preset)
-    log.debug("registered optim names %s", ", ".join(OPTIM_NAMES))
+    """Register every name of :data:`OPTIM_NAMES` (idempotent). Raises RegistrationError, changing
+    nothing, on a transformers without the two hooks."""
+    names = _optimizer_names()
+    trainer, fn = _dispatch_hook()
+    for optim in OPTIM_NAMES:
+        add_enum_member(names, optim.upper(), optim)
+    if not hasattr(fn, "optstate_original"):
+        setattr(trainer, HOOK, staticmethod(_wrap(fn)))
+    log.debug("registered optim names %s (transformers %s)", ", ".join(OPTIM_NAMES), _version())
 
 
 def is_registered() -> bool:
-    """Whether ``optim="optstate_adamw"`` is valid for the installed transformers now."""
-    from transformers.training_args import OptimizerNames
-
+    """Whether ``optim="optstate_adamw"`` is valid and dispatched by the installed transformers now."""
     try:
-        return all(name in OptimizerNames._value2member_map_ and name in _handler_registry()
-                   for name in OPTIM_NAMES)
+        names = _optimizer_names()
+        _, fn = _dispatch_hook()
     except RegistrationError:
         return False
+    return hasattr(fn, "optstate_original") and all(name in names._value2member_map_ for name in OPTIM_NAMES)

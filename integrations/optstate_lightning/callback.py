@@ -72,6 +72,10 @@ class CallbackLogic:
         if type(strategy).__name__.startswith("DeepSpeed"):
             raise ValueError("strategy: DeepSpeed manages its own optimizer state; OptStateCallback cannot wrap it. "
                              "Use strategy='ddp' or 'optstate_ddp'.")
+        if any(cls.__name__ == "FSDPStrategy" for cls in type(strategy).__mro__):
+            raise ValueError("strategy: FSDPStrategy is FSDP1, which shards flattened parameters, so encoded blocks "
+                             "would not follow parameter rows and its optimizer checkpoints expect torch's own state "
+                             "layout; use ModelParallelStrategy (FSDP2, fully_shard in configure_model) instead")
         others = [cb for cb in trainer.callbacks if isinstance(cb, CallbackLogic) and cb is not self]
         if others:
             raise ValueError("callbacks: more than one OptStateCallback on one Trainer; keep one")

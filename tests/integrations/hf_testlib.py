@@ -42,7 +42,7 @@ def training_args(out_dir, **overrides):
 
     kwargs = dict(output_dir=str(out_dir), use_cpu=True, per_device_train_batch_size=4, max_steps=4,
                   learning_rate=3e-3, weight_decay=0.1, warmup_steps=0, lr_scheduler_type="constant",
-                  logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0, data_seed=0,
+                  logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
                   optim="optstate_adamw", optim_args="min_int8_elements=0", dataloader_num_workers=0)
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)

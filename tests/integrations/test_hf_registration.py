@@ -49,13 +49,41 @@ def test_unknown_name_still_rejected(tmp_path):
         TrainingArguments(str(tmp_path), optim="optstate_adamw_2bit", report_to=[])
 
 
-def test_transformers_without_registry_gets_a_clear_error(monkeypatch):
-    import transformers.trainer_optimizer as to
-
-    monkeypatch.delattr(to, "_OPTIMIZER_HANDLERS")
-    with pytest.raises(optstate_hf.RegistrationError, match="optimizer_cls_and_kwargs"):
+def test_transformers_without_the_dispatch_hook_gets_a_clear_error(monkeypatch):
+    """A Trainer whose get_optimizer_cls_and_kwargs is no longer the static (args, model) method:
+    register() names the hook and the fallback, and changes nothing."""
+    members = list(OptimizerNames)
+    wrapped = Trainer.__dict__["get_optimizer_cls_and_kwargs"]
+    monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", lambda self, args: None)
+    with pytest.raises(optstate_hf.RegistrationError, match="get_optimizer_cls_and_kwargs.*optimizer_cls_and_kwargs"):
         optstate_hf.register()
     assert not optstate_hf.is_registered()
+    assert list(OptimizerNames) == members
+    monkeypatch.delattr(Trainer, "get_optimizer_cls_and_kwargs")
+    with pytest.raises(optstate_hf.RegistrationError, match="NoneType"):
+        optstate_hf.register()
+    monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", wrapped, raising=False)
+    assert optstate_hf.is_registered()
+
+
+def test_register_wraps_the_dispatch_once_and_passes_other_names_through(tmp_path):
+    hook = Trainer.__dict__["get_optimizer_cls_and_kwargs"]
+    original = hook.__func__.optstate_original
+    assert not hasattr(original, "optstate_original")
+    optstate_hf.register()
+    assert Trainer.__dict__["get_optimizer_cls_and_kwargs"] is hook
+    args = training_args(tmp_path, optim="adamw_torch", optim_args=None, learning_rate=3e-3)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert (cls, kwargs) == original(args)
+    assert cls is torch.optim.AdamW and kwargs["lr"] == 3e-3
+
+
+def test_trainer_subclasses_inherit_the_dispatch(tmp_path):
+    class MyTrainer(Trainer):
+        pass
+
+    cls, kwargs = MyTrainer.get_optimizer_cls_and_kwargs(training_args(tmp_path, optim="optstate_adamw_4bit"))
+    assert cls is optstate_hf.OptStateAdamW and kwargs["preset"] == "4bit"
 
 
 @pytest.mark.parametrize("name", sorted(NAMES))

@@ -1,0 +1,84 @@
+"""Worker of test_hf_fsdp2.py: the HF Trainer with FSDP2 (``fsdp="full_shard"``, ``fsdp_config``
+version 2) and ``optim="optstate_adamw_8bit"`` on 2 processes, started by ``accelerate launch``.
+
+``python hf_fsdp2_worker.py PHASE OUT_DIR [cuda]``: PHASE ``full`` trains 6 steps (accumulation 2,
+``max_grad_norm``), saving a sharded checkpoint at step 3; ``resume`` continues from it. Each rank
+writes OUT_DIR/<phase>_rank<r>.pt (full parameters, its local optimizer state, state bytes, grad norms).
+
+On CPU Accelerate ignores the FSDP plugin (it picks FSDP only for accelerator devices, see
+docs/distributed.md), so there the Trainer's Accelerator state is switched to FSDP right after the
+Trainer builds it; the Trainer's own FSDP2 prepare, clipping and checkpointing then run on gloo.
+With ``cuda`` (2 GPUs, NCCL) nothing is switched.
+"""
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "integrations"), HERE, os.path.dirname(HERE)]
+
+import optstate_hf  # noqa: E402
+from hf_testlib import tiny_dataset, tiny_model, training_args  # noqa: E402
+from transformers import Trainer  # noqa: E402
+
+SAVE_AT, STEPS = 3, 6
+
+
+def fsdp_overrides(device: str) -> dict:
+    """What the test and the single-process reference share, plus the FSDP2 settings."""
+    return dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=STEPS, max_grad_norm=0.5,
+                optim="optstate_adamw_8bit", optim_args="min_int8_elements=256", learning_rate=3e-3,
+                use_cpu=device == "cpu", fsdp="full_shard",
+                fsdp_config={"version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
+                             "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+
+
+class CpuFsdpTrainer(Trainer):
+    """The Trainer with its Accelerator switched to FSDP after construction (CPU only)."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        from accelerate import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        assert self.accelerator.distributed_type == DistributedType.MULTI_CPU, self.accelerator.distributed_type
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        self.accelerator.state.distributed_type = DistributedType.FSDP
+        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        self.is_fsdp_enabled = True
+
+
+def local_tensors(tree, prefix=""):
+    if isinstance(tree, torch.Tensor):
+        return {prefix: getattr(tree, "_local_tensor", tree).detach().cpu().clone()}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in local_tensors(sub, f"{prefix}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in local_tensors(sub, f"{prefix}/{i}").items()}
+    return {}
+
+
+def main(phase: str, out_dir: str, device: str = "cpu") -> None:
+    cls = CpuFsdpTrainer if device == "cpu" else Trainer
+    args = training_args(out_dir, save_strategy="steps", save_steps=SAVE_AT, **fsdp_overrides(device))
+    trainer = cls(model=tiny_model(), args=args, train_dataset=tiny_dataset(),
+                  callbacks=[optstate_hf.OptStateCallback()])
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_AT}") if phase == "resume" else None)
+    rank = trainer.accelerator.process_index
+    opt = optstate_hf.find_virtual_optimizer(trainer.optimizer)
+    model = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
+    params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().reshape(-1)
+                        for p in model.parameters()])
+    torch.save({"params": params, "state": local_tensors(opt.state_dict()), "step_count": opt.step_count,
+                "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+                "state_bytes": opt.memory_report()["state_bytes"],
+                "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
+               os.path.join(out_dir, f"{phase}_rank{rank}.pt"))
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
