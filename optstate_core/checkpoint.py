@@ -22,6 +22,7 @@ import torch
 
 from .codecs import EncodedTensor, codec_from_config, slab_shape
 from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor
+from .master_weights import MASTER_KEY
 from .store import ParamState, allocate_many, is_scalar_state
 
 
@@ -215,9 +216,10 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
             value = unpack_value(value, what, param)
             _check_entry(param, key, value, what, engine.elementwise)
             if isinstance(value, EncodedTensor) and value.dtype != param.dtype and param.is_floating_point() \
-                    and not is_dtensor(param) and not _fused_fp32_state(value, param):
+                    and not is_dtensor(param) and not _fused_fp32_state(value, param) and MASTER_KEY not in entry:
                 # saved for a parameter of another float dtype: like torch, state follows the
-                # parameter's dtype (decoded here, re-encoded by conform() below)
+                # parameter's dtype (decoded here, re-encoded by conform() below); a parameter with
+                # master weights keeps its state in the master's fp32 on purpose
                 value = value.decode(param.device, dtype=param.dtype)
             if isinstance(value, EncodedTensor):
                 target = torch.device("cpu") if value.host_tier else param.device
