@@ -30,7 +30,7 @@ from .follow import follow_params, remember_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
 from .gradients import all_finite, collect, split_nonfinite
-from .inner import ELEMENTWISE
+from .inner import ELEMENTWISE, run_inner
 from .placement import Placement
 from .policy import ParamInfo, Policy
 from .schedule import StepSchedule
@@ -121,25 +121,26 @@ class Engine:
     # -- a step --------------------------------------------------------------------------------
     def step(self) -> None:
         t0 = time.perf_counter()
-        follow_params(self)  # parameters cast or moved since wrapping: state follows (or a clear refusal)
-        self.metrics = StepMetrics()
-        self.transfers.reset()
-        signature = self._signature()
+        signature = self._signature()  # parameters' dtype and device included: a cast misses the cache
         cached = self._cached_plan(signature)
         if cached is None:
+            follow_params(self)  # parameters cast or moved since their last step: state follows (or a clear refusal)
+        self.metrics = StepMetrics()
+        self.transfers.reset()
+        if cached is None:
             buckets = self._plan_and_run(signature)
+            remember_params(self)
         else:
-            buckets, passthrough = cached
+            buckets, passthrough, on_device = cached
             if passthrough:
                 t = time.perf_counter()
-                passthrough_skip.step(self, passthrough)
+                self._run_passthrough(passthrough, on_device)
                 self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         if buckets:
             t = time.perf_counter()
             self.schedule.run(buckets)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         self.step_count += 1
-        remember_params(self)
         self.metrics.h2d_bytes = self.transfers.h2d_bytes
         self.metrics.d2h_bytes = self.transfers.d2h_bytes
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
@@ -173,18 +174,18 @@ class Engine:
             passthrough = [w for w in passthrough if on_device or id(w) in kept]
             tiled = [w for w in tiled if id(w) in kept]
         buckets = self.fused.build(fused) if fused else []
-        if passthrough:
+        items = [(w.key, w.state, w.info.group_index) for w in passthrough]
+        if items:
             t = time.perf_counter()
-            passthrough_skip.step(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
+            self._run_passthrough(items, on_device)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         ready = run_cpu_fast(self, tiled) if tiled else tiled  # cpu_step.py: Adam/AdamW on encoded CPU state
         if ready:
             self.tiled.run(ready, update=True)
-        items = [(w.key, w.state, w.info.group_index) for w in passthrough]
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
             and len(fused) + len(passthrough) == len(works)
         params = [k for b in buckets for k in b.keys] + [p for p, _, _ in items]
-        self._plan_cache = (signature, buckets, items, self._state_identity(params)) if cacheable else None
+        self._plan_cache = (signature, buckets, items, self._state_identity(params), on_device) if cacheable else None
         self.schedule.index_offloaded(buckets if cacheable else [])
         return buckets
 
@@ -195,7 +196,7 @@ class Engine:
         for g in self.inner.param_groups:
             parts.append((g.get("amsgrad"), g.get("maximize"), g.get("differentiable"), g.get("momentum"),
                           g.get("nesterov"), isinstance(g.get("lr"), torch.Tensor)))
-            parts.extend((id(p), p.grad is not None) for p in g["params"])
+            parts.extend((id(p), p.grad is not None, p.dtype, p.device) for p in g["params"])
         return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
 
     def _state_identity(self, params):
@@ -207,18 +208,25 @@ class Engine:
         cache = self.__dict__.get("_plan_cache")
         if cache is None or cache[0] != signature:
             return None
-        _, buckets, items, identity = cache
+        _, buckets, items, identity, on_device = cache
         for p, st, ids in identity:
             if self.state.get(p) is not st or tuple(map(id, st.values())) != ids:
                 return None
             g = p.grad
             if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
                 return None
-        if items and self.skip_nonfinite and not passthrough_skip.applies(self, items) \
-                and not all_finite([p.grad for p, _, _ in items]):
+        if items and self.skip_nonfinite and not on_device and not all_finite([p.grad for p, _, _ in items]):
             return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
-        return buckets, items
+        return buckets, items, on_device
+
+    def _run_passthrough(self, items, on_device: bool) -> None:
+        """The inner optimizer's own step on uncompressed parameters; NaN/inf skipped on the device
+        when ``on_device`` (:mod:`~optstate_core.passthrough_skip`), else already dropped by the caller."""
+        if on_device:
+            passthrough_skip.run(self, items)
+        else:
+            run_inner(self.inner, items, self.state)
 
     def invalidate_plan(self) -> None:
         """Forget the cached step plan (after loading state or moving it between tiers)."""

@@ -10,9 +10,10 @@ data) are cast, like ``torch.optim.Optimizer.load_state_dict`` casts raw state. 
 scales are kept as they are, so following loses nothing. A parameter moved to the ``meta`` device
 (no values) is refused with a ``ValueError`` naming it, before any state is touched.
 
-A change is detected on the parameter itself: each step ends by remembering every stepped
-parameter's dtype and device (:func:`remember_params`), and the next begins by comparing
-(:func:`follow_params`). The stored state's own dtype is no guide: the fused path keeps fp32 state
+A change is detected on the parameter itself: each planned step remembers every stepped
+parameter's dtype and device (:func:`remember_params`), and the next planned step compares
+(:func:`follow_params`). Both run only when the engine's cached plan misses; its signature holds
+every parameter's dtype and device, so a cast or a move always misses it. The stored state's own dtype is no guide: the fused path keeps fp32 state
 for bf16/fp16 parameters on purpose.
 """
 from __future__ import annotations

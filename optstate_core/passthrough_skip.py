@@ -33,15 +33,6 @@ def applies(engine, items: List[tuple]) -> bool:
     return len(devices) == 1 and not any_distributed([p for p, _, _ in items])
 
 
-def step(engine, items: List[tuple]) -> None:
-    """The inner optimizer's own step on uncompressed parameters: skipped on the device when
-    :func:`applies` (NaN/inf already dropped by the caller otherwise)."""
-    if applies(engine, items):
-        run(engine, items)
-    else:
-        run_inner(engine.inner, items, engine.state)
-
-
 def run(engine, items: List[tuple]) -> None:
     """Step ``items`` with torch's fused kernel, skipped as a whole on the device when a gradient
     is not finite; adds the skipped parameters to the kernels' device counter."""
