@@ -18,14 +18,15 @@ from .kernels import launch
 
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# launch shape (256-element tiles per program, warps), tuned on an H200: int8/bf16 states
-# (4, 4); 4-bit states, whose codebook reads are latency-bound, (2, 2). Env vars override.
-NBLK = int(os.environ.get("OPTSTATE_NBLK", 4))
-NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 4))
+# launch shape (256-element tiles per program, warps), timed on an H100 2026-11-23 with
+# tools/kernel_shapes.py: (2, 2) and one tile per program is the fastest or within 3% of it for
+# int8, 4-bit and bf16 states (BENCHMARKS.md). Env vars override.
+NBLK = int(os.environ.get("OPTSTATE_NBLK", 2))
+NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 2))
 NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.environ.get("OPTSTATE_NUM_WARPS", 2)))
 # Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
 # bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
-ITERS = int(os.environ.get("OPTSTATE_ITERS", 4))
+ITERS = int(os.environ.get("OPTSTATE_ITERS", 1))
 # hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 

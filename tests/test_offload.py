@@ -15,17 +15,20 @@ import optstate_core as oc
 from helpers import flat_params
 
 SHAPES = [(64, 256), (32, 256), (512,), (16, 512)]
+# The fused path runs the real kernels where there is a GPU (streams, pinned host rows, events),
+# the interpreted ones on the CPU.
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def model_params(seed=0, shapes=SHAPES):
+def model_params(seed=0, shapes=SHAPES, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(device)) for s in shapes]
 
 
 def set_grads(ps, step):
     g = torch.Generator().manual_seed(100 + step)
     for p in ps:
-        p.grad = torch.randn(p.shape, generator=g) * 0.01
+        p.grad = (torch.randn(p.shape, generator=g) * 0.01).to(p.device)
 
 
 def policy(preset):
@@ -35,7 +38,7 @@ def policy(preset):
 
 
 def run(fused, steps=4, preset="8bit", shapes=SHAPES, **options):
-    ps = model_params(shapes=shapes)
+    ps = model_params(shapes=shapes, device=FUSED_DEVICE if fused else "cpu")
     opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), policy(preset), fused=fused, **options)
     for s in range(steps):
         set_grads(ps, s)

@@ -56,5 +56,5 @@ def pinned_bandwidth(device, nbytes: int = 2**28) -> float:
 def device_name(device) -> str:
     """The GPU's name, or "cpu"."""
     if device.type == "cuda":
-        return torch.cuda.getdevice_name(device)
+        return torch.cuda.get_device_name(device)
     return "cpu"
