@@ -126,7 +126,7 @@ def test_checkpoint_in_every_mode(mode):
     set_grads(ps, 3)
     opt.step()
     expected = flat_params(ps)
-    ps2 = model_params()
+    ps2 = model_params(device=FUSED_DEVICE)
     with torch.no_grad():
         for a, b in zip(ps2, run(True, steps=3, **options)[0]):
             a.copy_(b)
@@ -143,6 +143,7 @@ def test_prefetch_during_backward_only_on_steps():
     model = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.Tanh(), torch.nn.Linear(32, 256))
     twin = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.Tanh(), torch.nn.Linear(32, 256))
     twin.load_state_dict(model.state_dict())
+    model, twin = model.to(FUSED_DEVICE), twin.to(FUSED_DEVICE)
     policy = lambda: oc.make_policy("8bit", min_int8_elements=0)  # noqa: E731
     opt = oc.wrap(torch.optim.AdamW(model.parameters()), policy(), fused=True, offload=True,
                   staging_bytes="1MB", prefetch_during_backward=True)
@@ -159,7 +160,7 @@ def test_prefetch_during_backward_only_on_steps():
     path.prefetch = counting
     for step in range(4):
         for micro in range(2):  # accumulation over 2 micro-batches
-            x = torch.randn(8, 256, generator=torch.Generator().manual_seed(10 * step + micro))
+            x = torch.randn(8, 256, generator=torch.Generator().manual_seed(10 * step + micro)).to(FUSED_DEVICE)
             opt.set_step_boundary(micro == 1)
             model(x).square().mean().backward()
             twin(x).square().mean().backward()
