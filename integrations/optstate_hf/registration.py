@@ -29,6 +29,11 @@ OPTIM_NAMES: Dict[str, str] = {
     "optstate_adamw_8bit": "8bit",
     "optstate_adamw_4bit": "4bit",
     "optstate_adamw_offload": "offload",
+    # bf16 parameters (load the model in bf16 or oc.cast_model it) + fp32 masters as state
+    "optstate_adamw_bf16w_8bit": "bf16w-8bit",
+    "optstate_adamw_bf16w_4bit": "bf16w-4bit",
+    "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
+    "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
 }
 HOOK = "get_optimizer_cls_and_kwargs"
 _FALLBACK = ("Pass the optimizer instead: Trainer(..., optimizer_cls_and_kwargs="

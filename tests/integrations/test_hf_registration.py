@@ -16,7 +16,9 @@ from transformers.training_args import OptimizerNames  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NAMES = {"optstate_adamw": "default", "optstate_adamw_8bit": "8bit", "optstate_adamw_4bit": "4bit",
-         "optstate_adamw_offload": "offload"}
+         "optstate_adamw_offload": "offload", "optstate_adamw_bf16w_8bit": "bf16w-8bit",
+         "optstate_adamw_bf16w_4bit": "bf16w-4bit", "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
+         "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean"}
 
 
 def test_names_map_to_core_presets():
