@@ -224,6 +224,8 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
             if isinstance(value, EncodedTensor):
                 target = torch.device("cpu") if value.host_tier else param.device
                 encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value))
+            elif MASTER_KEY in entry and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                value = value.to(param.device)  # state of a parameter with master weights stays fp32
             else:
                 value = _cast_like_torch(param, key, value, group_of[saved_id])
             st[key] = value

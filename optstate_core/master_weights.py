@@ -30,6 +30,8 @@ from typing import Dict, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .dtensor import is_dtensor, like_param, local
+
 log = logging.getLogger("optstate")
 
 MASTER_KEY = "master_correction"
@@ -170,6 +172,8 @@ def master_of(engine, param: torch.Tensor) -> torch.Tensor:
         return join(param, seed) if seed is not None else param.detach().to(torch.float32)
     correction = value.decode(param.device) if hasattr(value, "decode") and not isinstance(value, torch.Tensor) \
         else value
+    if is_dtensor(param):  # FSDP2: the local shard's master, as a DTensor laid out like the parameter
+        return like_param(param, join(local(param), local(correction).reshape(local(param).shape)))
     return join(param, correction)
 
 

@@ -192,7 +192,7 @@ def _materialized_bytes(tile: Tile) -> int:
             continue
         stored = tile.work.state.get(key)
         if isinstance(stored, torch.Tensor) and \
-                value.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+                value.untyped_storage().data_ptr() == local(stored).untyped_storage().data_ptr():
             continue
         total += value.numel() * value.element_size()
     return total

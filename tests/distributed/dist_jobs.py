@@ -130,3 +130,65 @@ def ddp_job(rank, world, tmp):
         torch.save({"params": params, "ranks_equal": all(torch.equal(g, params) for g in gathered)},
                    f"{tmp}/ddp_result.pt")
     finish()
+
+
+def master_model():
+    """build_model() in bf16 with its fp32 masters remembered (``cast_model``)."""
+    model = build_model()
+    oc.cast_model(model)
+    return model
+
+
+def master_optimizer(model):
+    return oc.wrap(torch.optim.AdamW(model.parameters(), lr=LR), oc.make_policy("bf16w-8bit", min_int8_elements=300))
+
+
+def train_bf16(model, opt, steps, rank=0, world=1, first=0):
+    for s in range(first, first + steps):
+        x, y = DATA[s]
+        rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        opt.zero_grad()
+        out = model(x[rows].to(torch.bfloat16)).float()
+        torch.nn.functional.mse_loss(out, y[rows]).backward()
+        opt.step()
+
+
+def fsdp_master_job(rank, world, tmp):
+    """FSDP2 over bf16 parameters whose masters are optimizer state (sharded like the moments)."""
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    from optstate_core.master_weights import MASTER_KEY
+
+    init(rank, world, tmp)
+
+    def sharded():
+        model = master_model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, master_optimizer(model)
+
+    model, opt = sharded()
+    train_bf16(model, opt, 3, rank, world)
+    out = {"params": [full(p.detach()).float().clone() for p in model.parameters()],
+           "masters": [full(m).clone() for m in oc.master_state_dict(model, opt).values()],
+           "has_correction": [MASTER_KEY in opt.state[p] for p in model.parameters()],
+           "local_state_bytes": opt.memory_report()["state_bytes"]}
+    ckpt = f"{tmp}/dcp_master"
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    train_bf16(model, opt, 2, rank, world, first=3)
+    out["expected"] = [full(p.detach()).float().clone() for p in model.parameters()]
+    model2, opt2 = sharded()
+    sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model2, sd["model"])
+    set_optimizer_state_dict(model2, opt2, sd["optim"])
+    train_bf16(model2, opt2, 2, rank, world, first=3)
+    out["resumed"] = [full(p.detach()).float().clone() for p in model2.parameters()]
+    if rank == 0:
+        torch.save(out, f"{tmp}/fsdp_master_result.pt")
+    finish()
