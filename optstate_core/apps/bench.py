@@ -165,11 +165,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     parser.add_argument("--budget-fraction", type=float, default=1 / 16,
                         help="gpu_budget for budgeted configurations, as a fraction of fp32 AdamW state")
-    from . import e2e
+    from . import capacity, e2e, peakbytes
     e2e.add_arguments(parser)
+    capacity.add_arguments(parser)
+    peakbytes.add_arguments(parser)
 
 
 def run(args) -> int:
+    for mode, batch, seq, steps in (("capacity", 4, 512, 3), ("peak_bytes", 1, 2048, 3), ("e2e", 8, 512, None)):
+        if getattr(args, mode, False):  # each mode's defaults for the options they share
+            args.batch, args.seq = args.batch or batch, args.seq or seq
+            args.steps = args.steps or steps
+            break
+    if getattr(args, "capacity", False):
+        from . import capacity
+        return capacity.run_capacity(args)
+    if getattr(args, "peak_bytes", False):
+        from . import peakbytes
+        return peakbytes.run_peak_bytes(args)
     if getattr(args, "e2e", False):
         from . import e2e
         args.layers = args.layers_e2e

@@ -55,7 +55,7 @@ def _bench(args) -> int:
     from . import bench, convergence
     if args.convergence:
         return convergence.run(args)
-    if args.steps is None:
+    if args.steps is None and not (args.capacity or args.peak_bytes):
         args.steps = args.bench_steps_default
     return bench.run(args)
 

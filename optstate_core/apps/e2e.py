@@ -142,5 +142,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--e2e-layers", dest="layers_e2e", type=int, default=16)
     g.add_argument("--vocab", type=int, default=32000)
     g.add_argument("--ffn", type=int, default=5632)
-    g.add_argument("--batch", type=int, default=8)
-    g.add_argument("--seq", type=int, default=512)
+    g.add_argument("--batch", type=int, default=None,
+                   help="sequences per step (default: 8 for --e2e, 4 for --capacity, 1 for --peak-bytes)")
+    g.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default: 512 for --e2e and --capacity, 2048 for --peak-bytes)")

@@ -1,0 +1,118 @@
+"""The optimizers the capacity and peak-memory benchmarks compare, by name: how each one wants the
+model's weights (fp32 + bf16 autocast, or bf16), how it is built, and a rough GPU bytes/param.
+
+Names: ``adamw`` (torch AdamW fused, fp32 weights), ``bnb8`` (bitsandbytes AdamW8bit),
+``ao_offload`` (torchao CPUOffloadOptimizer over fused AdamW, gradients offloaded too),
+``flashoptim`` (FlashAdamW on bf16 weights), ``none`` / ``none-bf16`` (forward+backward only,
+each gradient freed in its hook: the activation baseline), or an optstate preset with optional
+suffixes ``+offload`` and ``+release``; ``bf16w-*`` presets get bf16 weights and gradient
+release unless ``+norelease`` is given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+THIRD_PARTY = {"adamw", "bnb8", "ao_offload", "flashoptim", "none", "none-bf16"}
+LR = 1e-4
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One optimizer configuration of a benchmark row."""
+    name: str
+    weights: torch.dtype  # the model's parameter dtype
+    preset: Optional[str] = None  # optstate preset, or None
+    offload: bool = False
+    release: bool = False
+
+    @property
+    def autocast(self) -> bool:
+        """fp32 weights train under bf16 autocast (mixed precision); bf16 weights run as they are."""
+        return self.weights == torch.float32
+
+    @property
+    def has_optimizer(self) -> bool:
+        return not self.name.startswith("none")
+
+
+def parse(name: str) -> Contender:
+    """A :class:`Contender` from its name (see the module doc); ValueError names a bad one."""
+    from ..presets import PRESET_ALIASES, PRESETS, has_master_weights
+
+    base, *suffixes = name.strip().split("+")
+    unknown = set(suffixes) - {"offload", "release", "norelease"}
+    if unknown:
+        raise ValueError(f"optimizer {name!r}: unknown suffix {sorted(unknown)} (valid: +offload, +release, "
+                         "+norelease)")
+    if base in THIRD_PARTY:
+        if suffixes:
+            raise ValueError(f"optimizer {name!r}: suffixes apply to optstate presets only")
+        weights = torch.bfloat16 if base in ("flashoptim", "none-bf16") else torch.float32
+        return Contender(name, weights)
+    preset = PRESET_ALIASES.get(base, base)
+    if preset not in PRESETS:
+        raise ValueError(f"optimizer {name!r}: not one of {', '.join(sorted(THIRD_PARTY))} nor an optstate "
+                         f"preset ({', '.join(sorted(PRESETS))})")
+    master = has_master_weights(preset)
+    release = "release" in suffixes or (master and "norelease" not in suffixes)
+    return Contender(name, torch.bfloat16 if master else torch.float32, preset, "offload" in suffixes, release)
+
+
+def unavailable(c: Contender) -> Optional[str]:
+    """Why this contender cannot run here (a missing package), or None."""
+    module = {"bnb8": "bitsandbytes", "ao_offload": "torchao.optim", "flashoptim": "flashoptim"}.get(c.name)
+    if module is None:
+        return None
+    try:
+        __import__(module)
+    except Exception as e:  # not installed, or no build for this machine
+        return f"{module} not importable ({type(e).__name__})"
+    return None
+
+
+def build(c: Contender, params) -> Optional[torch.optim.Optimizer]:
+    """The optimizer over ``params`` (None for the forward+backward-only baselines)."""
+    if not c.has_optimizer:
+        return None
+    fused = params[0].is_cuda or None
+    if c.name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, fused=fused)
+    if c.name == "bnb8":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=LR)
+    if c.name == "ao_offload":
+        from torchao.optim import CPUOffloadOptimizer
+        return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, lr=LR, fused=True)
+    if c.name == "flashoptim":
+        from flashoptim import FlashAdamW
+        return FlashAdamW(params, lr=LR)
+    from ..presets import make_policy, wrap
+    return wrap(torch.optim.AdamW(params, lr=LR, fused=fused), make_policy(c.preset), offload=c.offload,
+                release_gradients=c.release)
+
+
+def free_gradients_in_hooks(params) -> Callable[[], None]:
+    """For the baselines: every gradient is dropped as soon as it is accumulated; returns the undo."""
+    handles = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params]
+    return lambda: [h.remove() for h in handles]
+
+
+def hint_bytes_per_param(c: Contender) -> float:
+    """A rough GPU bytes/param (weights + autocast copies + gradients + resident state): only where
+    the capacity search starts, never a reported figure."""
+    fixed = {"adamw": 18.0, "bnb8": 12.0, "ao_offload": 6.0, "flashoptim": 7.0, "none": 6.0, "none-bf16": 2.0}
+    if c.name in fixed:
+        return fixed[c.name]
+    from ..presets import PRESETS
+    spec = PRESETS[c.preset]
+    moment = {"fp32": 4.0, "bf16": 2.0, "int4": 0.5}
+    state = 0.0 if c.offload or spec.get("device_resident") is False else \
+        sum(moment.get(spec.get(k) if isinstance(spec.get(k), str) else "int8", 1.0)
+            for k in ("momentum_codec", "variance_codec")) + \
+        {"corr16": 2.0, "corr8": 1.0}.get(spec.get("master_correction"), 0.0)
+    weights = 2.0 if c.weights == torch.bfloat16 else 6.0  # fp32 weights + their bf16 autocast copies
+    grads = 0.0 if c.release else (2.0 if c.weights == torch.bfloat16 else 4.0)
+    return weights + grads + state + (0.5 if c.offload else 0.0)

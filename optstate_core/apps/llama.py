@@ -1,0 +1,83 @@
+"""Llama-shaped causal LMs for the capacity and peak-memory benchmarks: shapes, exact parameter
+counts, and construction on the meta device materialized straight on the target device."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a Llama-shaped model (untied embeddings, gated MLP, grouped-query attention)."""
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @classmethod
+    def grown(cls, hidden: int, layers: int, vocab: int) -> "LlamaShape":
+        """Llama-3 proportions at this width: head dim 128, ffn 3.5 x hidden, kv heads heads/4 (at most 8)."""
+        step = 256 if hidden >= 1024 else 16
+        ffn = max(step, int(round(3.5 * hidden / step)) * step)
+        heads = max(1, hidden // 128)
+        return cls(hidden, layers, ffn, heads, max(1, min(8, heads // 4)), vocab)
+
+    @property
+    def params(self) -> int:
+        """Exact parameter count of the model :func:`build_model` builds."""
+        h, kv_dim = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * self.ffn + 2 * h
+        return 2 * self.vocab * h + self.layers * per_layer + h
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} layers, ffn {self.ffn}, {self.heads}/{self.kv_heads} heads, "
+                f"vocab {self.vocab}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+#: the configurations the peak-memory benchmark (issue 14) names
+NAMED_SHAPES = {
+    "0.95b": LlamaShape(hidden=2048, layers=16, ffn=5632, heads=16, kv_heads=16, vocab=32000),  # e2e.py's
+    "8b": LlamaShape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256),
+    "tiny": LlamaShape(hidden=64, layers=2, ffn=128, heads=2, kv_heads=1, vocab=256),
+}
+
+
+def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, checkpointing: bool = False,
+                seed: int = 0):
+    """A ``transformers`` LlamaForCausalLM of ``shape``, built on the meta device and materialized
+    directly on ``device`` in ``dtype`` (random init N(0, 0.02) for matrices, ones for norms): an
+    8B model takes seconds and never exists on the host."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         vocab_size=shape.vocab, max_position_embeddings=8192, tie_word_embeddings=False,
+                         use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+        for name, module in list(model.named_modules()):  # non-persistent buffers (rotary inv_freq) are recomputed
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                parent_name, _, attr = name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, attr, type(module)(config=config).to(device))
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
