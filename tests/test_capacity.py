@@ -56,6 +56,29 @@ def test_search_brackets_the_largest_fit(start, limit):
     assert len(log) == len(set(log)) == len(r.trials) <= 2 + 2 * math.ceil(math.log2(len(sizes)))
 
 
+@pytest.mark.parametrize("overhead", [0.0, 3e9, 20e9])
+def test_search_guided_by_measured_peaks_needs_few_trials(overhead):
+    shapes = capacity.ladder([2048, 4096, 8192], 32, 32000)
+    sizes = [s.params for s in shapes]
+    total = 80 * 2**30  # bytes; a trial's peak = overhead + 10 bytes/param, what fits is what peaks below total
+    usable = total - capacity.RESERVED_BYTES
+    log = []
+
+    def fits(i):
+        log.append(i)
+        return "ok" if overhead + 10 * sizes[i] <= usable else "oom"
+
+    def predict(i):
+        return sizes[i] * usable / (overhead + 10 * sizes[i])
+    r = capacity.search(sizes, fits, capacity.start_index(sizes, 16.0, total), 20, 0.0, predict=predict)
+    want = max(j for j, n in enumerate(sizes) if overhead + 10 * n <= usable)
+    assert (r.fit, r.no_fit) == (want, want + 1)
+    blind = capacity.search(sizes, _threshold(sizes, (usable - overhead) / 10, []),
+                            capacity.start_index(sizes, 16.0, total), 20, 0.0)
+    assert (blind.fit, blind.no_fit) == (want, want + 1)
+    assert len(r.trials) <= 5 and len(r.trials) < len(blind.trials)
+
+
 def test_search_stops_at_resolution_trials_time_and_errors():
     sizes = [float(2 ** (k / 8)) for k in range(80)]  # 1 .. ~960, 9% apart
     r = capacity.search(sizes, _threshold(sizes, 300.0, []), 0, max_trials=40, resolution=0.25)
@@ -81,9 +104,16 @@ def test_contender_names():
     assert c.offload and not c.release and c.preset == "bf16w-8bit"
     c = contenders.parse("int8+release")
     assert c.preset == "8bit" and c.release and c.weights == torch.float32 and c.autocast
-    assert contenders.parse("adamw").weights == torch.float32 and contenders.parse("none-bf16").weights == torch.bfloat16
+    assert contenders.parse("adamw").weights == torch.float32
+    assert contenders.parse("none-bf16").weights == torch.bfloat16
     assert contenders.hint_bytes_per_param(contenders.parse("bf16w-4bit-lean")) == 4.0
-    for bad, match in (("adamw+offload", "suffixes"), ("8bit+fast", "suffix"), ("sgd", "preset")):
+    c = contenders.parse("flashoptim+release")
+    assert c.base == "flashoptim" and c.release and c.weights == torch.bfloat16
+    assert contenders.hint_bytes_per_param(c) == 5.0
+    assert contenders.hint_bytes_per_param(contenders.parse("flashoptim")) == 7.0
+    assert contenders.unavailable(c) == contenders.unavailable(contenders.parse("flashoptim"))
+    for bad, match in (("adamw+offload", "suffixes"), ("bnb8+release", "suffixes"), ("8bit+fast", "suffix"),
+                       ("sgd", "preset")):
         with pytest.raises(ValueError, match=match):
             contenders.parse(bad)
 
@@ -114,6 +144,7 @@ def test_capacity_table_from_injected_trials(tmp_path, capsys):
         assert rows[name]["params"] == max(n for n in sizes if n <= limit)
         assert rows[name]["no_fit_params"] == min(n for n in sizes if n > limit)
         assert f"| {name} | {rows[name]['params'] / 1e9:.2f} |" in printed
+        assert f"| {rows[name]['no_fit_params'] / 1e9:.2f} (OOM) |" in printed
     assert all(batch == 1 and seq == 8 and device == "cpu" for _, _, batch, seq, device in seen)
     if contenders.unavailable(contenders.parse("flashoptim")):
         assert rows["flashoptim"]["status"] == "unavailable" and "| flashoptim | unavailable" in printed

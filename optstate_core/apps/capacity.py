@@ -57,13 +57,18 @@ class SearchResult:
 
 
 def search(sizes: List[int], fits: Callable[[int], str], start: int, max_trials: int, resolution: float,
-           out_of_time: Callable[[], bool] = lambda: False) -> SearchResult:
+           out_of_time: Callable[[], bool] = lambda: False,
+           predict: Optional[Callable[[int], Optional[float]]] = None) -> SearchResult:
     """Doubling then bisection over a ladder of increasing ``sizes``. ``fits(i)`` returns a trial
-    status: ``ok`` fits, ``oom``/``timeout`` does not, anything else stops the search."""
+    status: ``ok`` fits, ``oom``/``timeout`` does not, anything else stops the search.
+    ``predict(i)``, if given, extrapolates the largest size that fits from fitting trial ``i``
+    (e.g. from its peak memory): growth stops at the first size past it instead of doubling, and
+    bisection tries it first (at most twice in a row, then a geometric midpoint)."""
     if not sizes:
         raise ValueError("search: the ladder is empty")
     r = SearchResult()
     i = min(max(start, 0), len(sizes) - 1)
+    guided = 0  # consecutive bisection trials placed by predict()
     while len(r.trials) < max_trials:
         status = fits(i)
         r.trials.append((i, status))
@@ -76,10 +81,12 @@ def search(sizes: List[int], fits: Callable[[int], str], start: int, max_trials:
             break
         if out_of_time():
             break
-        if r.no_fit is None:  # growing: double the parameter count
+        guess = predict(r.fit) if predict is not None and r.fit is not None else None
+        if r.no_fit is None:  # growing: double the parameter count (or up to just past the guess)
             if r.fit == len(sizes) - 1:
                 break
-            i = next((j for j in range(r.fit + 1, len(sizes)) if sizes[j] >= 2 * sizes[r.fit]), len(sizes) - 1)
+            target = 2 * sizes[r.fit] if guess is None else min(2 * sizes[r.fit], guess)
+            i = next((j for j in range(r.fit + 1, len(sizes)) if sizes[j] >= target), len(sizes) - 1)
         elif r.fit is None:  # shrinking: halve it
             if r.no_fit == 0:
                 break
@@ -87,8 +94,14 @@ def search(sizes: List[int], fits: Callable[[int], str], start: int, max_trials:
         else:  # bisect between the largest fit and the smallest failure
             if r.no_fit - r.fit <= 1 or sizes[r.no_fit] <= sizes[r.fit] * (1 + resolution):
                 break
-            mid = math.sqrt(sizes[r.fit] * sizes[r.no_fit])
-            i = min(range(r.fit + 1, r.no_fit), key=lambda j: abs(math.log(sizes[j] / mid)))
+            inside = range(r.fit + 1, r.no_fit)
+            if guess is not None and guided < 2 and sizes[r.fit] < guess < sizes[r.no_fit]:
+                i = next((j for j in inside if sizes[j] >= guess), r.no_fit - 1)
+                guided += 1
+            else:
+                mid = math.sqrt(sizes[r.fit] * sizes[r.no_fit])
+                i = min(inside, key=lambda j: abs(math.log(sizes[j] / mid)))
+                guided = 0
     return r
 
 
@@ -111,53 +124,76 @@ def gpu_memory_bytes(device: str) -> Optional[int]:
         return None
 
 
+RESERVED_BYTES = 1.5 * 2**30  # CUDA context and library workspaces, outside max_memory_allocated
+
+
 def run_capacity(args, runner: Callable[[TrialSpec, float], dict] = run_in_subprocess) -> int:
     from . import contenders
 
     names = [n.strip() for n in (args.optimizers or DEFAULT_OPTIMIZERS).split(",") if n.strip()]
     chosen = [contenders.parse(n) for n in names]  # a bad name fails before any trial
-    widths = [int(w) for w in args.widths.split(",")]
-    shapes = ladder(widths, args.max_layers, args.vocab)
-    sizes = [s.params for s in shapes]
+    shapes = ladder([int(w) for w in args.widths.split(",")], args.max_layers, args.vocab)
     device = args.device or "cuda"
     gpu = args.gpu_memory_bytes or gpu_memory_bytes(device)
     deadline = time.monotonic() + args.time_budget
     rows = []
     for k, c in enumerate(chosen):
         missing = contenders.unavailable(c)
-        if missing:
-            rows.append({"optimizer": c.name, "status": "unavailable", "error": missing})
+        left = deadline - time.monotonic()
+        if missing or left <= 0:
+            rows.append({"optimizer": c.name, "status": "unavailable" if missing else "skipped",
+                         "error": missing or "--time-budget spent"})
             continue
-        share_end = time.monotonic() + (deadline - time.monotonic()) / (len(chosen) - k)
-        results: Dict[int, dict] = {}
-
-        def fits(i, c=c, results=results):
-            spec = TrialSpec(shapes[i].to_dict(), c.name, args.batch, args.seq, args.checkpointing, device,
-                             args.steps, 1)
-            log.info("capacity: %s at %.2fB params (%s)", c.name, sizes[i] / 1e9, shapes[i].describe())
-            results[i] = runner(spec, args.trial_timeout)
-            log.info("capacity:   -> %s %s", results[i]["status"], results[i].get("error", ""))
-            return results[i]["status"]
-
-        start = start_index(sizes, contenders.hint_bytes_per_param(c), gpu)
-        found = search(sizes, fits, start, args.max_trials, args.resolution,
-                       out_of_time=lambda end=share_end: time.monotonic() > end)
-        best = results.get(found.fit, {})
-        rows.append({"optimizer": c.name, "status": found.error or ("ok" if found.fit is not None else "none fits"),
-                     "fit": shapes[found.fit].to_dict() if found.fit is not None else None,
-                     "no_fit": shapes[found.no_fit].to_dict() if found.no_fit is not None else None,
-                     "params": sizes[found.fit] if found.fit is not None else None,
-                     "no_fit_params": sizes[found.no_fit] if found.no_fit is not None else None,
-                     "at_ladder_top": found.fit == len(sizes) - 1,
-                     "trials": len(found.trials), "result": best,
-                     "error": next((r.get("error") for r in results.values() if r["status"] not in ("ok",) + NOT_FIT),
-                                   None)})
+        row = _search_one(c, shapes, args, device, gpu, time.monotonic() + left / (len(chosen) - k), deadline,
+                          runner)
+        gpu = gpu or row["result"].get("gpu_total_bytes")
+        log.info("capacity: %s: largest that fits %s (%s trials)", c.name, _gb(row["params"]) or "none",
+                 row["trials"])
+        rows.append(row)
     print_table(rows, args, gpu)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "gpu_total_bytes": gpu, "batch": args.batch, "seq": args.seq,
                        "checkpointing": args.checkpointing, "rows": rows}, f, indent=1)
     return 0
+
+
+def _search_one(c, shapes, args, device, gpu, share_end, deadline, runner) -> dict:
+    """The search for one optimizer; returns its table row."""
+    from . import contenders
+
+    sizes = [s.params for s in shapes]
+    results: Dict[int, dict] = {}
+    last = [0.0]  # the last trial's seconds: stop early rather than overrun the share
+
+    def fits(i):
+        spec = TrialSpec(shapes[i].to_dict(), c.name, args.batch, args.seq, args.checkpointing, device, args.steps, 1)
+        log.info("capacity: %s at %.2fB params (%s)", c.name, sizes[i] / 1e9, shapes[i].describe())
+        t = time.monotonic()
+        results[i] = runner(spec, min(args.trial_timeout, max(30.0, deadline + 30.0 - t)))
+        last[0] = time.monotonic() - t
+        log.info("capacity:   -> %s in %.0f s %s", results[i]["status"], last[0], results[i].get("error", ""))
+        return results[i]["status"]
+
+    def predict(i):  # linear in parameters from the peak of a trial that fit (an underestimate)
+        r = results.get(i, {})
+        total = r.get("gpu_total_bytes") or gpu
+        if not r.get("peak_bytes") or not total:
+            return None
+        return sizes[i] * (total - RESERVED_BYTES) / r["peak_bytes"]
+
+    start = start_index(sizes, contenders.hint_bytes_per_param(c), gpu)
+    found = search(sizes, fits, start, args.max_trials, args.resolution,
+                   out_of_time=lambda: time.monotonic() + last[0] > share_end, predict=predict)
+    return {"optimizer": c.name, "status": found.error or ("ok" if found.fit is not None else "none fits"),
+            "fit": shapes[found.fit].to_dict() if found.fit is not None else None,
+            "no_fit": shapes[found.no_fit].to_dict() if found.no_fit is not None else None,
+            "params": sizes[found.fit] if found.fit is not None else None,
+            "no_fit_params": sizes[found.no_fit] if found.no_fit is not None else None,
+            "no_fit_status": results[found.no_fit]["status"] if found.no_fit is not None else None,
+            "at_ladder_top": found.fit == len(sizes) - 1, "trials": len(found.trials),
+            "result": results.get(found.fit, {}),
+            "error": next((r.get("error") for r in results.values() if r["status"] not in ("ok",) + NOT_FIT), None)}
 
 
 def _gb(n) -> str:
@@ -180,10 +216,12 @@ def print_table(rows, args, gpu) -> None:
         r = row["result"]
         shape = "" if row["fit"] is None else f"{row['fit']['hidden']} x {row['fit']['layers']} layers"
         more = " (ladder top)" if row["at_ladder_top"] else ""
+        why = f" ({row['no_fit_status'].upper() if row['no_fit_status'] == 'oom' else row['no_fit_status']})" \
+            if row["no_fit_status"] else ""
         peak = "" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:.1f}"
         step = "" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"
-        print(f"| {row['optimizer']} | {_gb(row['params']) or 'none'}{more} | {shape} | {_gb(row['no_fit_params'])} "
+        print(f"| {row['optimizer']} | {_gb(row['params']) or 'none'}{more} | {shape} | {_gb(row['no_fit_params'])}{why} "
               f"| {step} | {tps} | {peak} | {row['trials']} |")
     print("step s: median of the timed steps of the largest model that fit (wall clock until the device is idle); "
           "peak: torch.cuda.max_memory_allocated over the whole trial; a trial past --trial-timeout counts as "

@@ -3,10 +3,10 @@ model's weights (fp32 + bf16 autocast, or bf16), how it is built, and a rough GP
 
 Names: ``adamw`` (torch AdamW fused, fp32 weights), ``bnb8`` (bitsandbytes AdamW8bit),
 ``ao_offload`` (torchao CPUOffloadOptimizer over fused AdamW, gradients offloaded too),
-``flashoptim`` (FlashAdamW on bf16 weights), ``none`` / ``none-bf16`` (forward+backward only,
-each gradient freed in its hook: the activation baseline), or an optstate preset with optional
-suffixes ``+offload`` and ``+release``; ``bf16w-*`` presets get bf16 weights and gradient
-release unless ``+norelease`` is given.
+``flashoptim`` (FlashAdamW on bf16 weights; ``flashoptim+release`` with its gradient release),
+``none`` / ``none-bf16`` (forward+backward only, each gradient freed in its hook: the activation
+baseline), or an optstate preset with optional suffixes ``+offload`` and ``+release``;
+``bf16w-*`` presets get bf16 weights and gradient release unless ``+norelease`` is given.
 """
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ class Contender:
         return self.weights == torch.float32
 
     @property
+    def base(self) -> str:
+        """The name without its suffixes."""
+        return self.name.split("+")[0]
+
+    @property
     def has_optimizer(self) -> bool:
         return not self.name.startswith("none")
 
@@ -48,10 +53,10 @@ def parse(name: str) -> Contender:
         raise ValueError(f"optimizer {name!r}: unknown suffix {sorted(unknown)} (valid: +offload, +release, "
                          "+norelease)")
     if base in THIRD_PARTY:
-        if suffixes:
-            raise ValueError(f"optimizer {name!r}: suffixes apply to optstate presets only")
+        if suffixes and not (base == "flashoptim" and suffixes == ["release"]):
+            raise ValueError(f"optimizer {name!r}: suffixes apply to optstate presets (and flashoptim+release) only")
         weights = torch.bfloat16 if base in ("flashoptim", "none-bf16") else torch.float32
-        return Contender(name, weights)
+        return Contender(name, weights, release=bool(suffixes))
     preset = PRESET_ALIASES.get(base, base)
     if preset not in PRESETS:
         raise ValueError(f"optimizer {name!r}: not one of {', '.join(sorted(THIRD_PARTY))} nor an optstate "
@@ -63,7 +68,7 @@ def parse(name: str) -> Contender:
 
 def unavailable(c: Contender) -> Optional[str]:
     """Why this contender cannot run here (a missing package), or None."""
-    module = {"bnb8": "bitsandbytes", "ao_offload": "torchao.optim", "flashoptim": "flashoptim"}.get(c.name)
+    module = {"bnb8": "bitsandbytes", "ao_offload": "torchao.optim", "flashoptim": "flashoptim"}.get(c.base)
     if module is None:
         return None
     try:
@@ -73,22 +78,26 @@ def unavailable(c: Contender) -> Optional[str]:
     return None
 
 
-def build(c: Contender, params) -> Optional[torch.optim.Optimizer]:
-    """The optimizer over ``params`` (None for the forward+backward-only baselines)."""
+def build(c: Contender, params, model=None) -> Optional[torch.optim.Optimizer]:
+    """The optimizer over ``params`` (None for the forward+backward-only baselines); ``model``
+    for flashoptim's gradient release, which hooks the model."""
     if not c.has_optimizer:
         return None
     fused = params[0].is_cuda or None
-    if c.name == "adamw":
+    if c.base == "adamw":
         return torch.optim.AdamW(params, lr=LR, fused=fused)
-    if c.name == "bnb8":
+    if c.base == "bnb8":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=LR)
-    if c.name == "ao_offload":
+    if c.base == "ao_offload":
         from torchao.optim import CPUOffloadOptimizer
         return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, lr=LR, fused=True)
-    if c.name == "flashoptim":
-        from flashoptim import FlashAdamW
-        return FlashAdamW(params, lr=LR)
+    if c.base == "flashoptim":
+        from flashoptim import FlashAdamW, enable_gradient_release
+        opt = FlashAdamW(params, lr=LR)
+        if c.release:
+            opt._optstate_release_handle = enable_gradient_release(model, opt)  # step()/zero_grad() become no-ops
+        return opt
     from ..presets import make_policy, wrap
     return wrap(torch.optim.AdamW(params, lr=LR, fused=fused), make_policy(c.preset), offload=c.offload,
                 release_gradients=c.release)
@@ -104,8 +113,8 @@ def hint_bytes_per_param(c: Contender) -> float:
     """A rough GPU bytes/param (weights + autocast copies + gradients + resident state): only where
     the capacity search starts, never a reported figure."""
     fixed = {"adamw": 18.0, "bnb8": 12.0, "ao_offload": 6.0, "flashoptim": 7.0, "none": 6.0, "none-bf16": 2.0}
-    if c.name in fixed:
-        return fixed[c.name]
+    if c.base in fixed:
+        return fixed[c.base] - (2.0 if c.release else 0.0)
     from ..presets import PRESETS
     spec = PRESETS[c.preset]
     moment = {"fp32": 4.0, "bf16": 2.0, "int4": 0.5}

@@ -25,7 +25,7 @@ from .trial import TrialSpec, run_in_subprocess
 
 log = logging.getLogger("optstate")
 
-DEFAULT_OPTIMIZERS = "adamw,bf16w-4bit-lean,bf16w-8bit-lean,bf16w-4bit,bf16w-8bit,flashoptim"
+DEFAULT_OPTIMIZERS = "adamw,bf16w-4bit-lean,bf16w-8bit-lean,bf16w-4bit,bf16w-8bit,flashoptim,flashoptim+release"
 
 
 def baseline_of(name: str) -> str:
@@ -94,8 +94,8 @@ def print_table(rows, args) -> None:
     def f(v, fmt, scale=1.0):
         return "" if v is None else format(v / scale, fmt)
     for r in rows:
-        status = r["status"] if r["status"] in ("ok", "oom") else f"{r['status']}: {r.get('error') or ''}"
-        print(f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['optimizer']} | {status.upper() if status == 'oom' else status} "
+        status = {"ok": "ok", "oom": "OOM"}.get(r["status"], f"{r['status']}: {r.get('error') or ''}")
+        print(f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['optimizer']} | {status} "
               f"| {f(r['peak_bytes'], '.2f', 2**30)} | {f(r['activation_bytes'], '.2f', 2**30)} "
               f"| {f(r['bytes_per_param_at_peak'], '.2f')} | {f(r['held_bytes'], '.2f', r['params'])} "
               f"| {f(r['step_s'], '.3f')} | {f(r['tokens_per_s'], '.0f')} |")

@@ -64,7 +64,7 @@ def run_trial(spec: TrialSpec) -> dict:
         model = build_model(shape, device, contender.weights, spec.checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
         out["weight_bytes"] = sum(p.numel() * p.element_size() for p in params)
-        opt = contenders.build(contender, params)
+        opt = contenders.build(contender, params, model)
         undo = contenders.free_gradients_in_hooks(params) if opt is None else None
         tokens = torch.randint(0, shape.vocab, (spec.batch, spec.seq), device=device)
         out["build_s"] = time.perf_counter() - t0
