@@ -143,13 +143,13 @@ def run_capacity(args, runner: Callable[[TrialSpec, float], dict] = run_in_subpr
         if missing or left <= 0:
             rows.append({"optimizer": c.name, "status": "unavailable" if missing else "skipped",
                          "error": missing or "--time-budget spent"})
+            log.info("capacity: %s", table_row(rows[-1]))
             continue
         row = _search_one(c, shapes, args, device, gpu, time.monotonic() + left / (len(chosen) - k), deadline,
                           runner)
         gpu = gpu or row["result"].get("gpu_total_bytes")
-        log.info("capacity: %s: largest that fits %s (%s trials)", c.name, _gb(row["params"]) or "none",
-                 row["trials"])
         rows.append(row)
+        log.info("capacity: %s", table_row(row))
     print_table(rows, args, gpu)
     if args.json:
         with open(args.json, "w") as f:
@@ -200,6 +200,22 @@ def _gb(n) -> str:
     return "" if n is None else f"{n / 1e9:.2f}"
 
 
+def table_row(row: dict) -> str:
+    """One markdown row (also logged as soon as the optimizer is done, so a killed run keeps it)."""
+    if row["status"] not in ("ok", "none fits"):
+        return f"| {row['optimizer']} | {row['status']}: {row.get('error') or ''} | | | | | | {row.get('trials', '')} |"
+    r = row["result"]
+    shape = "" if row["fit"] is None else f"{row['fit']['hidden']} x {row['fit']['layers']} layers"
+    more = " (ladder top)" if row["at_ladder_top"] else ""
+    status = row["no_fit_status"]
+    why = f" ({status.upper() if status == 'oom' else status})" if status else ""
+    peak = "" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:.1f}"
+    step = "" if r.get("step_s") is None else f"{r['step_s']:.3f}"
+    tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"
+    return (f"| {row['optimizer']} | {_gb(row['params']) or 'none'}{more} | {shape} | {_gb(row['no_fit_params'])}{why} "
+            f"| {step} | {tps} | {peak} | {row['trials']} |")
+
+
 def print_table(rows, args, gpu) -> None:
     total = f"{gpu / 2**30:.0f} GiB GPU" if gpu else f"device {args.device or 'cuda'}"
     print(f"\nlargest Llama-shaped model that trains on one {total}: batch {args.batch}x{args.seq}, "
@@ -209,20 +225,7 @@ def print_table(rows, args, gpu) -> None:
           "| peak GPU GiB | trials |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        if row["status"] not in ("ok", "none fits"):
-            print(f"| {row['optimizer']} | {row['status']}: {row.get('error') or ''} | | | | | | "
-                  f"{row.get('trials', '')} |")
-            continue
-        r = row["result"]
-        shape = "" if row["fit"] is None else f"{row['fit']['hidden']} x {row['fit']['layers']} layers"
-        more = " (ladder top)" if row["at_ladder_top"] else ""
-        why = f" ({row['no_fit_status'].upper() if row['no_fit_status'] == 'oom' else row['no_fit_status']})" \
-            if row["no_fit_status"] else ""
-        peak = "" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:.1f}"
-        step = "" if r.get("step_s") is None else f"{r['step_s']:.3f}"
-        tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"
-        print(f"| {row['optimizer']} | {_gb(row['params']) or 'none'}{more} | {shape} | {_gb(row['no_fit_params'])}{why} "
-              f"| {step} | {tps} | {peak} | {row['trials']} |")
+        print(table_row(row))
     print("step s: median of the timed steps of the largest model that fit (wall clock until the device is idle); "
           "peak: torch.cuda.max_memory_allocated over the whole trial; a trial past --trial-timeout counts as "
           "not fitting")
@@ -232,8 +235,9 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("--capacity (the largest model on one GPU)")
     g.add_argument("--capacity", action="store_true", help="find the largest model each optimizer can train")
     g.add_argument("--optimizers", default=None,
-                   help=f"comma-separated optimizer names (default: {DEFAULT_OPTIMIZERS}; unavailable ones "
-                        "are reported as such)")
+                   help=f"comma-separated optimizer names (--capacity default: {DEFAULT_OPTIMIZERS}; "
+                        "--peak-bytes default: adamw, the four bf16w-* presets, flashoptim, flashoptim+release; "
+                        "unavailable ones are reported as such)")
     g.add_argument("--widths", default="2048,4096,8192", help="hidden sizes of the ladder (default: %(default)s)")
     g.add_argument("--max-layers", type=int, default=32, help="layers at each width but the last (default: 32)")
     g.add_argument("--max-trials", type=int, default=6, help="trials per optimizer at most (default: 6)")

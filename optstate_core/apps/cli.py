@@ -4,7 +4,8 @@ Commands:
   demo    train a small language model with AdamW and with optstate presets; compare loss,
           optimizer memory and step time (CPU or CUDA; writes metrics.csv and demo.png)
   bench   time the optimizer step per configuration; --convergence: held-out loss gap to AdamW
-          over several seeds
+          over several seeds; --e2e: whole training steps; --capacity: the largest model each
+          optimizer trains on one GPU; --peak-bytes: GPU bytes/param at a training step's peak
   plan    what fits? optimizer-state and training memory per preset for a model and a GPU
 
 Also runnable as `python -m optstate_core <command>`. `optstate <command> --help` lists

@@ -63,6 +63,7 @@ def run_peak_bytes(args, runner=run_in_subprocess) -> int:
                 baselines[name] = r
                 continue
             rows.append(summarize(m, shape, name, r, baselines.get(baseline_of(name))))
+            log.info("peak-bytes: %s", table_row(rows[-1]))
     print_table(rows, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -84,24 +85,31 @@ def summarize(model: str, shape: LlamaShape, name: str, r: dict, base) -> dict:
     return row
 
 
+def _cell(v, fmt, scale=1.0) -> str:
+    return "" if v is None else format(v / scale, fmt)
+
+
+def table_row(r: dict) -> str:
+    """One markdown row (also logged as soon as it is measured, so a killed run keeps its rows)."""
+    status = {"ok": "ok", "oom": "OOM"}.get(r["status"], f"{r['status']}: {r.get('error') or ''}")
+    return (f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['optimizer']} | {status} "
+            f"| {_cell(r['peak_bytes'], '.2f', 2**30)} | {_cell(r['activation_bytes'], '.2f', 2**30)} "
+            f"| {_cell(r['bytes_per_param_at_peak'], '.2f')} | {_cell(r['held_bytes'], '.2f', r['params'])} "
+            f"| {_cell(r['step_s'], '.3f')} | {_cell(r['tokens_per_s'], '.0f')} |")
+
+
 def print_table(rows, args) -> None:
     print(f"\ntraining-step memory: batch {args.batch}x{args.seq}, activation checkpointing "
           f"{'on' if args.checkpointing else 'off'}, random init from config; torch {torch.__version__}")
     print("| model | optimizer | status | peak GPU GiB | activations GiB | B/param at peak | held B/param "
           "| step s | tokens/s |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-
-    def f(v, fmt, scale=1.0):
-        return "" if v is None else format(v / scale, fmt)
     for r in rows:
-        status = {"ok": "ok", "oom": "OOM"}.get(r["status"], f"{r['status']}: {r.get('error') or ''}")
-        print(f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['optimizer']} | {status} "
-              f"| {f(r['peak_bytes'], '.2f', 2**30)} | {f(r['activation_bytes'], '.2f', 2**30)} "
-              f"| {f(r['bytes_per_param_at_peak'], '.2f')} | {f(r['held_bytes'], '.2f', r['params'])} "
-              f"| {f(r['step_s'], '.3f')} | {f(r['tokens_per_s'], '.0f')} |")
+        print(table_row(r))
     print("B/param at peak = (peak of the timed steps - activations) / params; activations = peak - weights of a "
-          "forward+backward with no optimizer and gradients freed in their hooks (fp32 weights + bf16 autocast "
-          "for adamw, bf16 weights otherwise); held = allocated between steps / params")
+          "forward+backward with no optimizer and gradients freed in their hooks (fp32 weights + bf16 autocast, "
+          "whose bf16 weight copies count as activations, for adamw; bf16 weights otherwise); held = allocated "
+          "between steps / params")
 
 
 def add_arguments(parser) -> None:
