@@ -176,6 +176,17 @@ def test_trial_subprocess_times_out_and_is_killed():
     assert r["status"] == "timeout" and "0 s" in r["error"]
 
 
+def test_trial_killed_by_sigkill_counts_as_out_of_memory(monkeypatch):
+    import optstate_core.apps.trial as trial
+    real = trial.subprocess.Popen
+
+    def popen(cmd, **kw):  # a child the OOM killer ends
+        return real([cmd[0], "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], **kw)
+    monkeypatch.setattr(trial.subprocess, "Popen", popen)
+    r = run_in_subprocess(TrialSpec(NAMED_SHAPES["tiny"].to_dict(), "adamw", device="cpu"), timeout=60)
+    assert r["status"] == "oom" and "SIGKILL" in r["error"]
+
+
 def test_real_tiny_trials_on_cpu(tmp_path, capsys):
     spec = TrialSpec(NAMED_SHAPES["tiny"].to_dict(), "bf16w-4bit-lean", 2, 16, True, "cpu", 2, 1)
     r = run_in_subprocess(spec, timeout=300)

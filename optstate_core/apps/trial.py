@@ -57,6 +57,7 @@ def run_trial(spec: TrialSpec) -> dict:
         return {**out, "status": "unavailable", "error": missing}
     device = torch.device(spec.device)
     cuda = device.type == "cuda"
+    torch.manual_seed(0)  # the same tokens for every optimizer
     if cuda:
         out["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     try:
@@ -124,9 +125,11 @@ def run_in_subprocess(spec: TrialSpec, timeout: float) -> dict:
     for line in reversed(stdout.splitlines()):
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
-    tail = stderr.strip().splitlines()[-3:]
+    tail = " | ".join(stderr.strip().splitlines()[-3:])[:300]
+    if proc.returncode == -signal.SIGKILL:  # not ours (timeouts return above): the kernel's OOM killer
+        return {**base, "status": "oom", "error": f"killed by SIGKILL (host memory exhausted?) {tail}"}
     status = "oom" if "out of memory" in stderr.lower() else "error"
-    return {**base, "status": status, "error": f"exit {proc.returncode}: {' | '.join(tail)[:300]}"}
+    return {**base, "status": status, "error": f"exit {proc.returncode}: {tail}"}
 
 
 def main(argv=None) -> int:
