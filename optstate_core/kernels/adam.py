@@ -1,7 +1,7 @@
 """Fused Adam/AdamW step on encoded state: decode -> exact torch update -> encode, one pass.
 
 One launch covers many tensors (pointer tables, see ``launch.py``); each program updates
-``ITERS`` x ``NBLK`` tiles of 256 elements of one tensor, ``NBLK`` at a time in a loop (the
+``ITERS`` x ``NBLK`` blocks of 256 elements of one tensor, ``NBLK`` at a time in a loop (the
 per-program work, table reads and bias corrections, is shared by ``ITERS`` tiles). The update follows ``torch.optim.Adam``'s
 single-tensor arithmetic (maximize, L2 or decoupled weight decay, lerp for the first moment,
 amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device, so
@@ -120,11 +120,12 @@ def program_tile(pid, PROG_START, N_TENSORS, NBLK: tl.constexpr, TPOW2: tl.const
 
 @triton.jit
 def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """Offsets of the [NBLK, 256] tile starting at 256-column block ``b0`` of tensor ``t``:
-    (elements, mask, packed-byte offsets, their mask, int8 scale offsets, int4 scale offsets,
-    their mask).
+    """Offsets of the [2, NBLK, 128] tile of 256-column blocks ``b0 .. b0 + NBLK - 1`` of tensor
+    ``t`` (axis 1: the block, axis 0: its half, axis 2: the column in the half; see codec_ops):
+    (elements, mask, packed-byte offsets [2, NBLK, 64], their mask, int8 scale offsets [NBLK]
+    (-1: none), int4 scale offsets [2, NBLK], their mask).
 
-    ALIGNED: every row length is a multiple of 256 and offsets fit in int32, so tile ``j``
+    ALIGNED: every row length is a multiple of 256 and offsets fit in int32, so block ``j``
     covers elements ``[256 j, 256 (j + 1))`` and the compiler can use wide, aligned accesses.
     """
     if ALIGNED:
@@ -132,6 +133,12 @@ def tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr, ALIGNED: tl.cons
     else:
         out = _general_offsets(t, b0.to(tl.int64), COLS, NBR, NBLOCKS, NBLK)
     return out
+
+
+@triton.jit
+def per_block(v):
+    """[NBLK] per-block values -> [1, NBLK, 1] (broadcasts over a tile)."""
+    return v[None, :, None]
 
 
 @triton.jit
@@ -147,18 +154,18 @@ def _aligned_offsets(t, b0, NBLOCKS, NBLK: tl.constexpr):
     nblocks = tl.load(NBLOCKS + t)
     j = b0 + tl.arange(0, NBLK)
     ok = j < nblocks
-    k = tl.arange(0, 256)
-    elem = j[:, None] * 256 + k[None, :]
-    mask = tl.broadcast_to(ok[:, None], (NBLK, 256))
-    pbyte = elem >> 1
-    kp = tl.arange(0, 128)
-    pair = j[:, None] * 128 + kp[None, :]
-    pmask = tl.broadcast_to(ok[:, None], (NBLK, 128))
-    h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
-    s4 = 2 * j[:, None] + h
-    s4mask = tl.broadcast_to(ok[:, None], (NBLK, 2))
+    half = tl.arange(0, 2)
+    jj = per_block(j)
+    hh = half[:, None, None]
+    elem = jj * 256 + hh * 128 + tl.arange(0, 128)[None, None, :]
+    mask = tl.broadcast_to(per_block(ok), (2, NBLK, 128))
+    # contiguous in pairs (not more): the layout gives each thread the 2 bytes of its 4 elements
+    pair = tl.max_contiguous(jj * 128 + hh * 64 + tl.arange(0, 64)[None, None, :], [1, 1, 2])
+    pmask = tl.broadcast_to(per_block(ok), (2, NBLK, 64))
+    s4 = 2 * j[None, :] + half[:, None]
+    s4mask = tl.broadcast_to(ok[None, :], (2, NBLK))
     s8 = tl.where(ok, j, -1)
-    return elem, mask, pair, pmask, s8, s4, s4mask, pbyte
+    return elem, mask, pair, pmask, s8, s4, s4mask
 
 
 @triton.jit
@@ -170,41 +177,41 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
     ok = j < nblocks
     row = j // nbr
     bc = j % nbr
-    col = bc[:, None] * 256 + tl.arange(0, 256)[None, :]
-    mask = ok[:, None] & (col < cols)
-    elem = row[:, None] * cols + col
+    half = tl.arange(0, 2)
+    hh = half[:, None, None]
+    col = per_block(bc) * 256 + hh * 128 + tl.arange(0, 128)[None, None, :]
+    mask = per_block(ok) & (col < cols)
+    elem = per_block(row) * cols + col
     # 4-bit: packed bytes [rows, ceil(cols / 2)], scales [rows, ceil(cols / 128)]
     pcols = (cols + 1) // 2
-    k = tl.arange(0, 128)[None, :]
-    pair = row[:, None] * pcols + bc[:, None] * 128 + k
-    pmask = ok[:, None] & (bc[:, None] * 256 + 2 * k < cols)
-    pbyte = row[:, None] * pcols + (col >> 1)
+    k = tl.arange(0, 64)[None, None, :]
+    pair = tl.max_contiguous(per_block(row) * pcols + per_block(bc) * 128 + hh * 64 + k, [1, 1, 2])
+    pmask = per_block(ok) & (per_block(bc) * 256 + hh * 128 + 2 * k < cols)
     nb128 = (cols + 127) // 128
-    h = tl.reshape(tl.arange(0, NBLK * 2), (NBLK, 2)) % 2
-    s4 = row[:, None] * nb128 + 2 * bc[:, None] + h
-    s4mask = ok[:, None] & (2 * bc[:, None] + h < nb128)
+    s4 = row[None, :] * nb128 + 2 * bc[None, :] + half[:, None]
+    s4mask = ok[None, :] & (2 * bc[None, :] + half[:, None] < nb128)
     s8 = tl.where(ok, j, -1)
-    return elem, mask, pair, pmask, s8, s4, s4mask, pbyte
+    return elem, mask, pair, pmask, s8, s4, s4mask
 
 
 @triton.jit
 def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr, FIRST: tl.constexpr):
-    """Per-block NaN/inf verdict of a [NBLK, 256] gradient tile and the store masks it implies:
+    """Per-block NaN/inf verdict of a [2, NBLK, 128] gradient tile and the store masks it implies:
     (row_ok [NBLK], element mask, packed-byte mask, int8 scale offsets (-1: skip), int4 scale mask).
 
-    A block (one 256-element row of the tile) with a non-finite gradient value (or |g| >= 2**64) is not written;
+    A 256-element block with a non-finite gradient value (or |g| >= 2**64) is not written;
     on a first step its state is still written (as zeros, the state it would have been created
     with), so only the parameter store is masked then. ``FLAGS[t]`` is raised for the count."""
     if CHECK_FINITE:
         # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32); NaN compares false: bad too
-        bad = tl.max(tl.where(tl.abs(g) < 18446744073709551616.0, 0, 1), axis=1)
+        bad = tl.max(tl.max(tl.where(tl.abs(g) < 18446744073709551616.0, 0, 1), axis=2), axis=0)
         row_ok = bad == 0
-        tl.atomic_max(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)  # per row: no cross-warp step
+        tl.atomic_max(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)  # per block: no cross-warp step
         if FIRST:
             out = row_ok, mask, pmask, s8, s4mask
         else:
-            out = (row_ok, mask & row_ok[:, None], pmask & row_ok[:, None], tl.where(row_ok, s8, -1),
-                   s4mask & row_ok[:, None])
+            out = (row_ok, mask & per_block(row_ok), pmask & per_block(row_ok), tl.where(row_ok, s8, -1),
+                   s4mask & row_ok[None, :])
     else:
         out = tl.full(s8.shape, 1, tl.int1), mask, pmask, s8, s4mask
     return out
@@ -245,10 +252,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
     v_key = state_key(SEEDS, 4 * t + 1, step_mix)
     vm_key = state_key(SEEDS, 4 * t + 2, step_mix)
     p_key = state_key(SEEDS, 4 * t + 3, step_mix)
-    # ITERS consecutive [NBLK, 256] tiles of that tensor (a loop: registers stay those of one tile)
+    # ITERS consecutive [2, NBLK, 128] tiles of that tensor (a loop: registers stay those of one tile)
     for it in range(ITERS):
-        elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b_first + it * NBLK, COLS, NBR, NBLOCKS,
-                                                                      NBLK, ALIGNED)
+        elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b_first + it * NBLK, COLS, NBR, NBLOCKS, NBLK,
+                                                               ALIGNED)
         p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
         g_in = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
         if MASTER != 0:  # master weights (bf16 parameter + correction C); off: the code below is unchanged
@@ -264,23 +271,25 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
             m = tl.zeros(p.shape, dtype=tl.float32)
             v = tl.zeros(p.shape, dtype=tl.float32)
         else:
-            m = load_state(m_addr, ms_addr, elem, mask, pbyte, s8, s4, s4mask, m_lut, M_KIND, True, NBLK, M_POW)
-            v = load_state(v_addr, vs_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK, V_POW)
+            m = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK, M_POW)
+            v = load_state(v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False, NBLK,
+                           V_POW)
         m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
         v = v * beta2 + (one_minus_beta2 * g) * g
         if AMSGRAD:
             if FIRST:
                 vmax = v
             else:
-                vmax = load_state(vm_addr, vms_addr, elem, mask, pbyte, s8, s4, s4mask, v_lut, V_KIND, False, NBLK,
-                                  V_POW)
+                vmax = load_state(vm_addr, vms_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False,
+                                  NBLK, V_POW)
                 vmax = tl.maximum(vmax, v)
             vv = vmax
         else:
             vmax = v
             vv = v
-        if FAST_MATH:  # approximate sqrt and division (a few ulp), fewer instructions
-            p = p - step_size * (m / (tl.sqrt(vv) * inv_bc2_sqrt + eps))
+        if FAST_MATH:  # hardware square root and reciprocal square root (a few ulp), few instructions:
+            r = tl.math.rsqrt(tl.sqrt(vv) * inv_bc2_sqrt + eps)  # 1 / denominator = r * r, no range fix-ups
+            p = p - (step_size * m) * (r * r)
         else:  # correctly rounded, as torch
             p = p - step_size * tl.math.div_rn(m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
 
@@ -289,20 +298,23 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
         row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
                                                              CHECK_FINITE, FIRST)
         if CHECK_FINITE and FIRST:  # a skipped block keeps the initial (zero) state
-            m = tl.where(row_ok[:, None], m, 0.0)
-            v = tl.where(row_ok[:, None], v, 0.0)
+            m = tl.where(per_block(row_ok), m, 0.0)
+            v = tl.where(per_block(row_ok), v, 0.0)
             if AMSGRAD:
-                vmax = tl.where(row_ok[:, None], vmax, 0.0)
+                vmax = tl.where(per_block(row_ok), vmax, 0.0)
         sr_idx = sr_indices(elem, BASE, t, M_SR or V_SR or P_SR, IDX32)
+        # the states of a stored block are finite when its gradient is (|g| < 2**64 keeps g**2 finite)
+        # and the parameter does not enter them (decoupled weight decay)
         store_state(m, m_addr, ms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, m_key, sr_idx, m_levels,
-                    m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW, M_POW)
+                    m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW, M_POW, CHECK_FINITE and DECOUPLED, ALIGNED)
         store_state(v, v_addr, vs_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, v_key, sr_idx, v_levels,
-                    v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW)
+                    v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW, CHECK_FINITE and DECOUPLED, ALIGNED)
         if AMSGRAD:
             store_state(vmax, vm_addr, vms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, vm_key, sr_idx,
-                        v_levels, v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW)
+                        v_levels, v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW,
+                        CHECK_FINITE and DECOUPLED, ALIGNED)
         if CHECK_FINITE:
-            p_mask = mask & row_ok[:, None]
+            p_mask = mask & per_block(row_ok)
         if MASTER != 0:
             store_master(p, p_ptr, C, t, elem, p_mask, MASTER)
         else:

@@ -5,8 +5,15 @@ minifloat uses only exact multiplies and integer operations on float32 bits, the
 codebook compares against the same float32 midpoints (computed from the code for integer
 powers, read from a table otherwise) after a correctly rounded division, bf16
 rounds to nearest even, and stochastic rounding draws from the same counter hash
-(``codecs/rounding.py``: a per-(state, step) key, then two multiplies and a xor-shift per element). Tiles are ``[NBLK, 256]`` element blocks of one tensor; 4-bit codes
-are two per byte (even element in the low nibble).
+(``codecs/rounding.py``: a per-(state, step) key, then two multiplies and a xor-shift per element).
+
+Tiles are ``[2, NBLK, 128]``: ``NBLK`` 256-element blocks of one tensor (the middle axis), each as
+its two 128-element halves (the first axis). In that shape the compiler gives each warp whole
+256-element blocks (per-block reductions stay inside a warp) and each thread four consecutive
+elements of both halves, and a 4-bit tile's packed bytes are the ``[2, NBLK, 64]`` tensor whose
+thread holds the two bytes of its four elements: codes unpack and pack in registers
+(``tl.join``/``tl.split`` of the even and odd elements), with no shared-memory round trip.
+4-bit codes are two per byte (even element in the low nibble).
 """
 import triton
 import triton.language as tl
@@ -80,10 +87,17 @@ def bf16_grid(x, key, sr_idx, SR: tl.constexpr):
 
 
 @triton.jit
-def finite_abs(x, mask):
-    """|x| where finite (NaN fails the comparison too), else 0."""
+def finite_abs(x, mask, FINITE: tl.constexpr = False, WHOLE: tl.constexpr = False):
+    """|x| where finite (NaN fails the comparison too) and unmasked, else 0: the elements a block
+    maximum is taken over. FINITE: the caller guarantees finite values wherever the block is
+    stored; WHOLE: ``mask`` is constant over each block and a masked block is not stored. Either
+    drops its test (the blocks that are stored get the same maximum)."""
     a = tl.abs(x)
-    return tl.where(mask & (a < float("inf")), a, 0.0)
+    if not FINITE:
+        a = tl.where(a < float("inf"), a, 0.0)
+    if not WHOLE:
+        a = tl.where(mask, a, 0.0)
+    return a
 
 
 @triton.jit
@@ -118,24 +132,27 @@ def decode_int8(codes, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
+def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr, FINITE: tl.constexpr = False):
     """Codes (int32) of values normalized by their block's power-of-two scale (see
-    codecs/int8.py MinifloatMap.encode for the construction)."""
+    codecs/int8.py MinifloatMap.encode for the construction). FINITE: no NaN to map to 0."""
     if SR:
         half = (rbits & 0xFFFFF).to(tl.int32)
     else:
         half = 0x80000
     if SIGNED:
         a = tl.abs(y)
-        a = tl.where(a == a, a, 0.0)
+        if not FINITE:
+            a = tl.where(a == a, a, 0.0)
         small = a < 3.0517578125e-05
         t = tl.where(small, a + 3.0517578125e-05, a)
         mag = ((t.to(tl.int32, bitcast=True) + half) >> 20) - tl.where(small, 896, 888)
         mag = tl.minimum(tl.maximum(mag, 0), 127)
         return tl.where((y < 0) & (mag > 0), mag | 128, mag)
     else:
-        a = tl.where(y == y, y, 0.0)
-        a = tl.maximum(a, 0.0)
+        if FINITE:
+            a = tl.maximum(y, 0.0)
+        else:
+            a = tl.maximum(tl.where(y == y, y, 0.0), 0.0)
         normal = ((a.to(tl.int32, bitcast=True) + half) >> 20) - 760
         return tl.where(a > 0, tl.minimum(tl.maximum(normal, 1), 255), 0)
 
@@ -143,77 +160,137 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr):
 # -- 4-bit codebook -------------------------------------------------------------------------------
 @triton.jit
 def ipow(k, P: tl.constexpr):
-    """k ** P for a small integer tensor and a constexpr P >= 1."""
+    """k ** P for a small integer-valued tensor and a constexpr P >= 1 (exact below 2**24)."""
     out = k
     for _ in tl.static_range(P - 1):
         out = out * k
     return out
 
 
+MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + MAGIC rounds x (|x| < 2**22) to an integer in the low bits
+
+
 @triton.jit
-def signed_int4_mid(u, POW: tl.constexpr):
-    """The signed decision boundary between codes i and i + 1 for odd ``u = 2 i - 13``:
-    ``sign(u) (j**p + (j+1)**p) c / 2`` with ``j = (|u| - 1) / 2`` (codecs/int4.py int4_midpoints),
-    computed as one float32 product of an exact integer. |u| = 15 gives a bound beyond +-1, so the
-    first and last codes need no guard."""
-    a = tl.abs(u)
-    if POW == 2:  # j**2 + (j+1)**2 = (u**2 + 1) / 2
-        out = ((a * a + 1) * tl.where(u < 0, -1, 1)).to(tl.float32) * (0.25 / 7 ** POW)
+def code_value(c, offset: tl.constexpr):
+    """float32(c - offset) for integer codes 0 <= c < 2**22, exactly, by float arithmetic on the
+    bits (no conversion instruction)."""
+    return (c | 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 + offset)
+
+
+@triton.jit
+def copysign(mag, sign_of):
+    """|mag| with the sign bit of ``sign_of`` (float32; ``mag`` must be non-negative)."""
+    bits = mag.to(tl.int32, bitcast=True) | (sign_of.to(tl.int32, bitcast=True) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int4_root(a, INV_POW: tl.constexpr):
+    """a ** INV_POW for a in [0, 1] (approximate: the encoders only need the code it rounds to
+    within one of the nearest, and fix that with one exact comparison)."""
+    if INV_POW == 0.5:
+        r = tl.sqrt(a)
+    elif INV_POW == 0.25:
+        r = tl.sqrt(tl.sqrt(a))
     else:
-        j = (a - 1) // 2
-        out = ((ipow(j, POW) + ipow(j + 1, POW)) * tl.where(u < 0, -1, 1)).to(tl.float32) * (0.5 / 7 ** POW)
-    return out
-
-
-@triton.jit
-def unsigned_int4_mid(j, POW: tl.constexpr):
-    """The boundary between codes j and j + 1 of the non-negative map: (j (j+1))**(p/2) c (0 for
-    j = -1 and 0, beyond 1 for j = 15)."""
-    return ipow(j * (j + 1), POW // 2).to(tl.float32) * (1.0 / 15 ** POW)
+        r = tl.exp2(tl.log2(a) * INV_POW)
+    return r
 
 
 @triton.jit
 def decode_int4(c, lut_ptr, SIGNED: tl.constexpr, POW: tl.constexpr):
-    """Values of 4-bit codes (int32 0..15): arithmetic for integer powers, else the table."""
+    """Values of 4-bit codes (int32 0..15): arithmetic for integer powers, else the table. The
+    arithmetic levels are ``(c - 7) ** p`` (signed) or ``c ** p`` times float32(1 / n**p), an
+    exact integer times one constant like the torch codec's levels."""
     if POW == 0:
         out = tl.load(lut_ptr + c)
     elif SIGNED:
-        d = c - 7
-        if POW == 2:
-            out = (d * tl.abs(d)).to(tl.float32) * (1.0 / 7 ** POW)
+        d = code_value(c, 7.0)
+        if POW % 2 == 0:
+            out = ipow(d, POW - 1) * tl.abs(d) * (1.0 / 7 ** POW)
         else:
-            mag = ipow(tl.abs(d), POW).to(tl.float32) * (1.0 / 7 ** POW)
-            out = tl.where(d < 0, -mag, mag)
+            out = ipow(d, POW) * (1.0 / 7 ** POW)
     else:
-        out = ipow(c, POW).to(tl.float32) * (1.0 / 15 ** POW)
+        out = ipow(code_value(c, 0.0), POW) * (1.0 / 15 ** POW)
     return out
 
 
 @triton.jit
-def encode_int4_arith(y, r, SIGNED: tl.constexpr, POW: tl.constexpr):
-    """Nearest codes for an integer power, ``bucketize(y, mids)`` exactly: the root-domain
-    estimate (``r`` = |y| ** (1/p)) is within one code of it; one comparison with the computed
-    boundary on each side fixes it (a value equal to a boundary takes the lower code)."""
-    if SIGNED:
-        est = (tl.where(y < 0, -r, r) * 7.0 + 7.5).to(tl.int32)  # in [0, 14]: y is clamped to [-1, 1]
-        u = 2 * est - 13
-        code = est - (y <= signed_int4_mid(u - 2, POW)).to(tl.int32) + (y > signed_int4_mid(u, POW)).to(tl.int32)
+def encode_int4_signed(y, INV_POW: tl.constexpr, POW: tl.constexpr, FINITE: tl.constexpr = False):
+    """``bucketize(clamp(y, -1, 1), mids)`` (NaN -> code 7) for the signed levels
+    ``sign(j) (|j| / 7) ** p`` and midpoints ``(j**p + (j+1)**p) / (2 * 7**p)``.
+
+    In the root domain ``z = 7 + 7 sign(y) |y| ** (1/p)`` the boundary between codes ``i`` and
+    ``i + 1`` lies within 0.41 of ``i + 0.5`` (power means of neighbours), so ``est = floor(z) + 1``
+    is the code or one above it: one exact comparison with the boundary below ``est`` decides.
+    That boundary is ``sign(w) ((|w| - 1/2)**p + (|w| + 1/2)**p) c / 2`` with ``w = est - 7.5``
+    (for ``est = 0`` it is below -1, so it never lowers the code): an exact integer times the
+    torch codec's constant, the same float32 product. Codes are returned in the low 4 bits (the
+    bits above are not cleared).
+
+    FINITE: ``y`` is finite with ``|y| <= 1`` up to the rounding of ``x * (1 / absmax)``, which the
+    comparison handles as the clamp would: no clamp, no NaN test."""
+    if FINITE:
+        a = tl.abs(y)
     else:
-        est = (r * 15.0 + 0.5).to(tl.int32)  # in [0, 15]
-        code = est - (y <= unsigned_int4_mid(est - 1, POW)).to(tl.int32) + \
-            (y > unsigned_int4_mid(est, POW)).to(tl.int32)
-        code = tl.maximum(code, 0)
+        a = tl.minimum(tl.abs(y), 1.0)  # NaN: whatever min gives, the code is replaced below
+    sr = copysign(int4_root(a, INV_POW), y)
+    t = (sr * 7.0 + 7.5) + MAGIC  # round(z + 1/2): an integer in the low mantissa bits
+    w = (t - MAGIC) - 7.5
+    if POW == 2:  # (|w| - 1/2)**2 + (|w| + 1/2)**2 = 2 (w**2 + 1/4): the factor 2 goes into c
+        bound = copysign((w * w + 0.25) * (1.0 / 7 ** POW), w)
+    else:
+        aw = tl.abs(w)
+        bound = copysign((ipow(aw - 0.5, POW) + ipow(aw + 0.5, POW)) * (0.5 / 7 ** POW), w)
+    if FINITE:
+        code = t.to(tl.int32, bitcast=True) - (y <= bound).to(tl.int32)
+    else:
+        code = t.to(tl.int32, bitcast=True) - (copysign(a, y) <= bound).to(tl.int32)
+        code = tl.where(y == y, code, 7)
+    return code
+
+
+@triton.jit
+def encode_int4_unsigned(y, INV_POW: tl.constexpr, POW: tl.constexpr, FINITE: tl.constexpr = False):
+    """``bucketize(clamp(y, 0, 1), mids)`` (NaN -> 0) for the levels ``(j / 15) ** p`` and the
+    geometric midpoints ``(j (j+1)) ** (p/2) / 15**p`` (even p).
+
+    In the root domain ``15 y ** (1/p)`` the boundary between codes ``j`` and ``j + 1`` is
+    ``sqrt(j (j+1))``, below ``j + 1/2``: ``est = round(15 y ** (1/p))`` is the code or one below
+    it, and one exact comparison with the boundary above ``est`` decides (0 for ``est = 0``, so a
+    positive value never gets code 0; above 1 for ``est = 15``). Codes are returned in the low 4
+    bits (the bits above are not cleared).
+
+    FINITE: ``y`` is finite, ``0 <= y <= 1`` up to the rounding of ``x * (1 / absmax)``: no clamp,
+    no NaN or sign test (0 gets code 0 from the comparison)."""
+    if FINITE:
+        a = y
+    else:
+        a = tl.minimum(y, 1.0)  # NaN, negative: code 0 below
+    t = int4_root(a, INV_POW) * 15.0 + MAGIC
+    e = t - MAGIC
+    bound = ipow(e * e + e, POW // 2) * (1.0 / 15 ** POW)
+    code = t.to(tl.int32, bitcast=True) + (a > bound).to(tl.int32)
+    if not FINITE:
+        code = tl.where(y > 0, code, 0)
     return code
 
 
 @triton.jit
 def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: tl.constexpr,
-                SR: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr = 0):
-    """Codes (int32) of values normalized by their block absmax (codecs/int4.py codes_of).
+                SR: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr = 0, FINITE: tl.constexpr = False):
+    """Codes of values normalized by their block absmax (codecs/int4.py codes_of), in the low 4
+    bits of an int32 (the bits above may be set).
 
-    Nearest: the level map is ``(j / n) ** p``, so ``round(n * |y| ** (1 / p))`` is within one
+    Nearest, integer power: :func:`encode_int4_signed` / :func:`encode_int4_unsigned`. Other
+    powers: the level map is ``(j / n) ** p``, so ``round(n * |y| ** (1 / p))`` is within one
     code of the nearest-by-midpoint code; one comparison on each side makes it exact (the
     midpoint table is padded with +inf to 16 entries)."""
+    if POW != 0 and not SR:
+        if SIGNED:
+            return encode_int4_signed(y, INV_POW, POW, FINITE)
+        else:
+            return encode_int4_unsigned(y, INV_POW, POW, FINITE)
     y = tl.where(y == y, y, 0.0)
     if SIGNED:
         y = tl.minimum(tl.maximum(y, -1.0), 1.0)
@@ -231,40 +308,26 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
         code = lo + (u < p).to(tl.int32)
         if not SIGNED:
             code = tl.where(y > 0, tl.maximum(code, 1), code)
-    else:
-        if INV_POW == 0.5:
-            r = tl.sqrt(tl.abs(y))
-        elif INV_POW == 0.25:
-            r = tl.sqrt(tl.sqrt(tl.abs(y)))
+    else:  # a non-integer power: the midpoints from the table
+        r = int4_root(tl.abs(y), INV_POW)
+        if SIGNED:
+            idx = (r * 7.0 + 0.5).to(tl.int32)
+            code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
         else:
-            r = tl.exp2(tl.log2(tl.abs(y)) * INV_POW)
-        if POW != 0:
-            code = encode_int4_arith(y, r, SIGNED, POW)
-        else:
-            if SIGNED:
-                idx = (r * 7.0 + 0.5).to(tl.int32)
-                code = tl.minimum(tl.maximum(tl.where(y < 0, 7 - idx, 7 + idx), 0), N_LEVELS - 1)
-            else:
-                code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
-            above = tl.load(mids_ptr + code)
-            below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
-            code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
+            code = tl.minimum((r * 15.0 + 0.5).to(tl.int32), N_LEVELS - 1)
+        above = tl.load(mids_ptr + code)
+        below = tl.load(mids_ptr + tl.maximum(code - 1, 0))
+        code = tl.where(y > above, code + 1, tl.where((code > 0) & (y <= below), code - 1, code))
     return code
-
-
-@triton.jit
-def per_half(v, NBLK: tl.constexpr):
-    """[NBLK * 2] per-128-block values -> [NBLK, 256] (broadcast over each block)."""
-    return tl.reshape(tl.broadcast_to(tl.reshape(v, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
 
 
 # -- load / store one state tile of any kind --------------------------------------------------------
 @triton.jit
-def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr,
+def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, lut_ptr,
                KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr, POW: tl.constexpr = 0):
-    """Decode a [NBLK, 256] tile. ``elem`` element offsets, ``pbyte`` the packed byte of each
-    element ([NBLK, 256]: each byte is read by its two elements, which keeps every array in one
-    register layout), ``s8`` per-row int8 scale offsets ([NBLK]), ``s4`` int4 scale offsets ([NBLK, 2])."""
+    """Decode a [2, NBLK, 128] tile. ``elem`` element offsets, ``pair`` packed-byte offsets
+    ([2, NBLK, 64], byte ``i`` holds elements ``2i`` and ``2i + 1`` of its half), ``s8`` per-block
+    int8 scale offsets ([NBLK], -1: none), ``s4`` per-half int4 scale offsets ([2, NBLK])."""
     if KIND == FP32:
         return tl.load(aligned(data_addr, tl.float32) + elem, mask=mask, other=0.0)
     elif KIND == BF16:
@@ -272,47 +335,50 @@ def load_state(data_addr, scale_addr, elem, mask, pbyte, s8, s4, s4mask, lut_ptr
     elif KIND == INT8:
         c = tl.load(aligned(data_addr, tl.uint8) + elem, mask=mask, other=0)
         s = tl.load(aligned(scale_addr, tl.float32) + s8, mask=s8 >= 0, other=0.0)
-        return decode_int8(c, SIGNED) * s[:, None]
+        return decode_int8(c, SIGNED) * s[None, :, None]
     else:
-        b = tl.load(aligned(data_addr, tl.uint8) + pbyte, mask=mask, other=0).to(tl.int32)
-        c = (b >> ((tl.arange(0, 256) & 1) * 4)[None, :]) & 15
-        v = decode_int4(c, lut_ptr, SIGNED, POW)
-        s = tl.load(aligned(scale_addr, tl.float32) + s4, mask=s4mask, other=0.0)  # [NBLK, 2]
-        s = tl.reshape(tl.broadcast_to(tl.reshape(s, (NBLK * 2, 1)), (NBLK * 2, 128)), (NBLK, 256))
-        return v * s
+        b = tl.load(aligned(data_addr, tl.uint8) + pair, mask=pmask, other=0).to(tl.int32)
+        c = tl.reshape(tl.join(b & 15, b >> 4), (2, NBLK, 128))  # even, odd elements: in registers
+        s = tl.load(aligned(scale_addr, tl.float32) + s4, mask=s4mask, other=0.0)
+        return decode_int4(c, lut_ptr, SIGNED, POW) * s[:, :, None]
 
 
 @triton.jit
 def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, sr_idx, levels_ptr, mids_ptr,
                 KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5, POW: tl.constexpr = 0):
-    """Encode a [NBLK, 256] tile (masked elements ignored) and store codes and scales.
-    ``sr_idx``: the elements' indices in the whole tensor (the stochastic rounding counters)."""
+                NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5, POW: tl.constexpr = 0,
+                FINITE: tl.constexpr = False, WHOLE: tl.constexpr = False):
+    """Encode a [2, NBLK, 128] tile (masked elements ignored) and store codes and scales.
+    ``sr_idx``: the elements' indices in the whole tensor (the stochastic rounding counters).
+    FINITE: every value of a block that is stored is finite (and non-negative for an unsigned
+    codec); WHOLE: ``mask`` is constant over each 256-element block. Both only drop tests whose
+    outcome is then known: the stored codes and scales are the same."""
     if KIND == FP32:
         tl.store(aligned(data_addr, tl.float32) + elem, x, mask=mask)
     elif KIND == BF16:
         tl.store(aligned(data_addr, tl.bfloat16) + elem, bf16_grid(x, key, sr_idx, SR).to(tl.bfloat16), mask=mask)
     elif KIND == INT8:
-        absmax = tl.max(finite_abs(x, mask), axis=1)
+        absmax = tl.max(tl.max(finite_abs(x, mask, FINITE, WHOLE), axis=2), axis=0)  # [NBLK]
         e = pow2_exponent(absmax)
-        y = x * exp2_int(-e)[:, None]
+        y = x * exp2_int(-e)[None, :, None]
         if SR:
             rb = random_bits(key, sr_idx)
         else:
             rb = 0
-        codes = encode_int8(y, rb, SIGNED, SR)
+        codes = encode_int8(y, rb, SIGNED, SR, FINITE)
         tl.store(aligned(data_addr, tl.uint8) + elem, codes.to(tl.uint8), mask=mask)
         tl.store(aligned(scale_addr, tl.float32) + s8, exp2_int(e), mask=s8 >= 0)
     else:
-        absmax = tl.max(tl.reshape(finite_abs(x, mask), (NBLK * 2, 128)), axis=1)  # [NBLK * 2]
+        absmax = tl.max(finite_abs(x, mask, FINITE, WHOLE), axis=2)  # [2, NBLK]: one per 128-element half
         safe = tl.where(absmax > 0, absmax, 1.0)
-        y = x * per_half(tl.math.div_rn(1.0, safe), NBLK)  # as the torch codec: the rounded reciprocal
+        y = x * tl.math.div_rn(1.0, safe)[:, :, None]  # as the torch codec: the rounded reciprocal
         if SR:
             rb = random_bits(key, sr_idx)
         else:
             rb = 0
-        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW, POW)
-        codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
-        lo, hi = tl.split(tl.reshape(codes, (NBLK, 128, 2)))
-        tl.store(aligned(data_addr, tl.uint8) + pair, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
-        tl.store(aligned(scale_addr, tl.float32) + s4, tl.reshape(absmax, (NBLK, 2)), mask=s4mask)
+        codes = encode_int4(y, rb, levels_ptr, mids_ptr, N_LEVELS, SIGNED, SR, INV_POW, POW, FINITE)
+        if not WHOLE:
+            codes = tl.where(mask, codes, 0)  # the padding nibble of an odd row, as the torch codec
+        lo, hi = tl.split(tl.reshape(codes, (2, NBLK, 64, 2)))  # even, odd elements: in registers
+        tl.store(aligned(data_addr, tl.uint8) + pair, ((lo & 15) | (hi << 4)).to(tl.uint8), mask=pmask)
+        tl.store(aligned(scale_addr, tl.float32) + s4, absmax, mask=s4mask)

@@ -5,7 +5,8 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import block_skip, load_param_grad, program_tile, sr_indices, state_key, store_param, tile_offsets
+from .adam import (block_skip, load_param_grad, per_block, program_tile, sr_indices, state_key, store_param,
+                   tile_offsets)
 from .codec_ops import load_state, store_state
 
 
@@ -19,7 +20,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
                IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0):
     pid = tl.program_id(0)
     t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
-    elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
     g_in = g
     if LR_TENSOR:
@@ -32,7 +33,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
     if FIRST:
         buf = g  # torch: torch.clone(grad) on the first step, no dampening
     else:
-        buf = load_state(m_addr, ms_addr, elem, mask, pbyte, s8, s4, s4mask, m_lut, M_KIND, True, NBLK, M_POW)
+        buf = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK, M_POW)
         buf = buf * momentum + (1.0 - dampening) * g
     if NESTEROV:
         g = g + momentum * buf
@@ -41,11 +42,11 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
     p = p - lr * g
     row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE, FIRST)
     if CHECK_FINITE and FIRST:  # a skipped block starts from a zero buffer
-        buf = tl.where(row_ok[:, None], buf, 0.0)
+        buf = tl.where(per_block(row_ok), buf, 0.0)
     sr_idx = sr_indices(elem, BASE, t, M_SR, IDX32)
     store_state(buf, m_addr, ms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w,
                 state_key(SEEDS, 4 * t, step_mix), sr_idx, m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK,
                 M_INV_POW, M_POW)
     if CHECK_FINITE:
-        p_mask = mask & row_ok[:, None]
+        p_mask = mask & per_block(row_ok)
     store_param(p, p_ptr, elem, elem, p_mask, 0, P_KIND, False)

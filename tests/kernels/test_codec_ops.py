@@ -20,20 +20,23 @@ NBLK = 2
 @triton.jit
 def encode_kernel(X, D, S, KEYS, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr, levels, mids,
                   KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
-                  NBLK: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr):
+                  NBLK: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr, CLEAN: tl.constexpr = False):
     t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK, TPOW2)
-    elem, mask, pair, pmask, s8, s4, s4mask, _ = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, CLEAN)
     x = tl.load(tl.load(X + t).to(tl.pointer_type(tl.float32)) + elem, mask=mask, other=0.0)
     store_state(x, tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask,
-                tl.load(KEYS + t).to(tl.uint32), elem, levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW, POW)
+                tl.load(KEYS + t).to(tl.uint32), elem, levels, mids, KIND, SIGNED, SR, N_LEVELS, NBLK, INV_POW, POW,
+                CLEAN, CLEAN)
 
 
 @triton.jit
 def decode_kernel(OUT, D, S, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr, lut,
-                  KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr, POW: tl.constexpr):
+                  KIND: tl.constexpr, SIGNED: tl.constexpr, NBLK: tl.constexpr, POW: tl.constexpr,
+                  CLEAN: tl.constexpr = False):
     t, b0 = program_tile(tl.program_id(0), PROG_START, N_TENSORS, NBLK, TPOW2)
-    elem, mask, pair, pmask, s8, s4, s4mask, pbyte = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK)
-    x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pbyte, s8, s4, s4mask, lut, KIND, SIGNED, NBLK, POW)
+    elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, CLEAN)
+    x = load_state(tl.load(D + t), tl.load(S + t), elem, mask, pair, pmask, s8, s4, s4mask, lut, KIND, SIGNED, NBLK,
+                   POW)
     tl.store(tl.load(OUT + t).to(tl.pointer_type(tl.float32)) + elem, x, mask=mask)
 
 
@@ -65,9 +68,27 @@ def test_encode_and_decode_match_torch(codec, nonnegative):
     check_twin(codec, xs, nonnegative)
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}{'-sr' if c.stochastic_rounding else ''}")
+@pytest.mark.parametrize("nonnegative", [False, True])
+def test_clean_tiles_match_torch(codec, nonnegative):
+    """The fast path of the fused step (aligned rows, finite values: no masks, clamps or NaN tests
+    in the encoders) gives the torch codec's codes and scales too, including values at +-absmax
+    (|x / absmax| may round above 1) and an all-zero block."""
+    codec = codec.specialize(nonnegative)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(s, generator=g) * torch.exp(2 * torch.randn(s, generator=g)) for s in [(3, 512), (256,), (7, 256)]]
+    xs[2][1, :] = 0.0
+    xs[2][3, 128:] = 0.0
+    xs[0][:, 17] = -xs[0].abs().amax(dim=1)
+    if nonnegative:
+        xs = [x.abs() * 1e-6 for x in xs]
+    check_twin(codec, [x.to(DEVICE) for x in xs], nonnegative, clean=True)
+
+
+@pytest.mark.parametrize("clean", [False, True])
 @pytest.mark.parametrize("nonnegative", [False, True])
 @pytest.mark.parametrize("power", [None, 3.0])
-def test_int4_codes_at_the_midpoints_match_torch(nonnegative, power):
+def test_int4_codes_at_the_midpoints_match_torch(nonnegative, power, clean):
     """The arithmetic 4-bit encoder at every decision boundary and one float32 step either side
     (blocks of 128 led by 1.0, so the normalized values are exactly these), and the arithmetic
     decoder on all 16 codes."""
@@ -79,10 +100,11 @@ def test_int4_codes_at_the_midpoints_match_torch(nonnegative, power):
         vals = vals.clamp_min(0)
     vals = torch.cat([vals, -vals]) if not nonnegative else vals
     n = vals.numel()
-    x = torch.zeros(-(-n // 127), 128)
+    assert n <= 127
+    x = torch.zeros(2, 128)  # two 128-blocks: one whole 256-element tile
     x[:, 0] = 1.0
-    x[:, 1:].view(-1)[:n] = vals
-    check_twin(codec, [x.reshape(1, -1).to(DEVICE)], nonnegative)
+    x[0, 1:n + 1] = vals
+    check_twin(codec, [x.reshape(1, -1).to(DEVICE)], nonnegative, clean)
     if codec.integer_power:  # every code, the arithmetic way, equals the table
         codes = torch.arange(16, dtype=torch.uint8)
         packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 8).repeat(1, 8).to(DEVICE)
@@ -98,7 +120,10 @@ def test_int4_codes_at_the_midpoints_match_torch(nonnegative, power):
         torch.testing.assert_close(decoded, enc.decode(), rtol=0, atol=0)
 
 
-def check_twin(codec, xs, nonnegative):
+def check_twin(codec, xs, nonnegative, clean=False):
+    """Encode and decode with the kernels, bit for bit against the torch codec. ``clean``: the
+    fused Adam step's fast path (aligned tiles, store_state's FINITE and WHOLE): every row a
+    multiple of 256 long and every value finite."""
     keys = [12345 + 77 * i for i in range(len(xs))]
     refs = [codec.encode(x, RoundingContext(k, 0, x.numel() // (x.shape[0] if x.dim() >= 2 else 1)))
             for x, k in zip(xs, keys)]
@@ -119,12 +144,12 @@ def check_twin(codec, xs, nonnegative):
     encode_kernel[(n_prog,)](X, D, S, launch.device_table(keys, dev), cols, nbr, nblocks, prog_start, n_t, tpow2, levels, mids,
                              KIND=kind, SIGNED=signed, SR=codec.stochastic_rounding,
                              N_LEVELS=len(levels) if kind == 3 else 2, NBLK=NBLK,
-                             INV_POW=1.0 / codec.effective_power if kind == 3 else 0.5, POW=power)
+                             INV_POW=1.0 / codec.effective_power if kind == 3 else 0.5, POW=power, CLEAN=clean)
     for ref, out in zip(refs, outs):
         for name in ref.payload:  # bit-identical (NaN counts as equal to NaN)
             torch.testing.assert_close(out.payload[name], ref.payload[name], rtol=0, atol=0, equal_nan=True)
     decoded = [torch.full_like(x, 123.0) for x in xs]
     decode_kernel[(n_prog,)](launch.pointer_table(decoded, dev), D, S, cols, nbr, nblocks, prog_start, n_t, tpow2, lut,
-                             KIND=kind, SIGNED=signed, NBLK=NBLK, POW=power)
+                             KIND=kind, SIGNED=signed, NBLK=NBLK, POW=power, CLEAN=clean)
     for ref, got in zip(refs, decoded):
         torch.testing.assert_close(got, ref.decode(), rtol=0, atol=0, equal_nan=True)
