@@ -27,7 +27,7 @@ NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.env
 # Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
 # bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
 ITERS = int(os.environ.get("OPTSTATE_ITERS", 1))
-# hardware sqrt/division approximations (a few ulp) in the update; "0" for correctly rounded ones
+# hardware square root and reciprocal square root (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
 

@@ -47,7 +47,7 @@ adam_scalars = {"step_mix": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32
                 "one_minus_beta1": "fp32", "one_minus_beta2": "fp32",
                 "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
                 "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
-                "PROG_START": "*i32", "N_TENSORS": "i32"}
+                "PROG_START": "*i32", "N_TENSORS": "i32", "C": "i32"}
 n = 0
 kinds = [(2, 2), (3, 3), (1, 1), (2, 0), (3, 2)]
 for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, False], [False, True], [True, False],
@@ -57,7 +57,7 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     const = dict(TPOW2=256, IDX32=aligned, P_KIND=0, M_KIND=mk, V_KIND=vk, M_SR=mk == 2, V_SR=mk in (2, 3), P_SR=False, M_LEVELS=15, V_LEVELS=16,
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
-                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0, ITERS=4)
+                 NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0, ITERS=4, MASTER=0)
     s = sig(adam_kernel, adam_scalars)
     for c in const:
         s[c] = "constexpr"

@@ -3,8 +3,9 @@
 * signed states (momentum): 15 symmetric levels ``0, +-(j/7)**p`` (default ``p = 2``);
 * non-negative states (second moment): ``0`` and ``(j/15)**p`` for ``j = 1..15`` (default
   ``p = 4``, i.e. a square law in ``sqrt(v)``, spanning ~2e-5 of the block maximum). Code 0 is
-  an exact zero and a nonzero value is never stored as zero; nearest is decided in the log
-  domain (geometric midpoints), the domain in which ``sqrt(v)`` errors matter.
+  an exact zero and a nonzero value is never stored as zero (except in a block whose maximum is
+  below ~2.9e-39, whose reciprocal overflows: such a block is stored as zeros); nearest is
+  decided in the log domain (geometric midpoints), the domain in which ``sqrt(v)`` errors matter.
 
 Element ``2i`` of a row goes to the low nibble of byte ``i``, element ``2i + 1`` to the high
 nibble. Encoding is ``bucketize(x * (1 / absmax))`` against fixed float32 midpoints; the Triton
@@ -79,8 +80,12 @@ def int4_midpoints(levels: torch.Tensor, signed: bool, power: float = 0.0) -> to
 
 def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
     """``x * (1 / absmax)`` per block: one correctly rounded reciprocal per block, then exact
-    IEEE multiplies (the kernel computes the same)."""
-    return scale_blocks(x, 1.0 / absmax, block)
+    IEEE multiplies (the kernel computes the same). A reciprocal that overflows (absmax below
+    ~2.9e-39, i.e. 2**-128) is replaced by 0: such a block is stored as zeros (its scale kept), and
+    every normalized value is finite with |y| <= 1 up to rounding, which the kernels' fast path
+    relies on (before 2026-11-23 its nonzero values were stored as +-1)."""
+    inv = 1.0 / absmax
+    return scale_blocks(x, torch.where(torch.isinf(inv), torch.zeros_like(inv), inv), block)
 
 
 class Int4Codec(Codec):

@@ -203,8 +203,10 @@ def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr,
     on a first step its state is still written (as zeros, the state it would have been created
     with), so only the parameter store is masked then. ``FLAGS[t]`` is raised for the count."""
     if CHECK_FINITE:
-        # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32); NaN compares false: bad too
-        bad = tl.max(tl.max(tl.where(tl.abs(g) < 18446744073709551616.0, 0, 1), axis=2), axis=0)
+        # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32), compared as bits of |g| (inf and
+        # NaN lie above it), so the per-block test is an integer maximum
+        gmax = tl.max(tl.max(g.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=0)
+        bad = (gmax >= 0x5F800000).to(tl.int32)
         row_ok = bad == 0
         tl.atomic_max(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)  # per block: no cross-warp step
         if FIRST:
