@@ -71,7 +71,7 @@ class KernelLauncher:
         """One launch of the update kernel over a bucket. ``flags``: the parent bucket's
         per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
         launch has and counts its own."""
-        from .kernels.adam import adam_kernel
+        from .kernels.adam import adam_kernel, bias_corrections_kernel
         from .kernels.sgd import sgd_kernel
 
         engine, plan, params = self.engine, bucket.plan, bucket.params
@@ -110,10 +110,12 @@ class KernelLauncher:
             STEPS = bucket.steps_table(device)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
+            CORR = torch.empty(3 * n, dtype=torch.float32, device=device)  # per-tensor bias corrections
+            bias_corrections_kernel[(n,)](STEPS, CORR, lr_ptr, lr_val, math.log(beta1) if beta1 > 0 else -1e30,
+                                          math.log(beta2) if beta2 > 0 else -1e30, LR_TENSOR=lr_tensor)
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, STEPS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
-                lr_ptr, lr_val, beta1, beta2, math.log(beta1) if beta1 > 0 else -1e30,
-                math.log(beta2) if beta2 > 0 else -1e30, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
+                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), *self._tables(v_codec, device),
                 M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],

@@ -11,7 +11,7 @@ import triton
 import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 
-from optstate_core.kernels.adam import adam_kernel, advance_steps_kernel
+from optstate_core.kernels.adam import adam_kernel, advance_steps_kernel, bias_corrections_kernel
 from optstate_core.kernels.sgd import sgd_kernel
 
 parser = argparse.ArgumentParser()
@@ -45,7 +45,7 @@ def sig(fn, types):
 
 adam_scalars = {"step_mix": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32",
                 "one_minus_beta1": "fp32", "one_minus_beta2": "fp32",
-                "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
+                "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "CORR": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
                 "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
                 "PROG_START": "*i32", "N_TENSORS": "i32", "C": "i32"}
 n = 0
@@ -65,6 +65,11 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
     n += 1
     print(f"adam m={mk} v={vk} aligned={aligned} first={first} check={check} fast={fast}: {resources(k)}")
 compile_kernel(advance_steps_kernel, sig(advance_steps_kernel, {}), {})
+for lr_tensor in (False, True):
+    s = sig(bias_corrections_kernel, {"CORR": "*fp32", "lr_ptr": "*fp32", "lr": "fp32", "ln_beta1": "fp32",
+                                      "ln_beta2": "fp32"})
+    s["LR_TENSOR"] = "constexpr"
+    compile_kernel(bias_corrections_kernel, s, {"LR_TENSOR": lr_tensor})
 for aligned in (True, False):
     s = sig(sgd_kernel, {"step_mix": "i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
@@ -74,4 +79,4 @@ for aligned in (True, False):
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)
     print(f"sgd aligned={aligned}: {resources(k)}")
-print(f"compiled {n + 3} kernels for sm_{args.arch}")
+print(f"compiled {n + 5} kernels for sm_{args.arch}")

@@ -4,8 +4,9 @@ One launch covers many tensors (pointer tables, see ``launch.py``); each program
 ``ITERS`` x ``NBLK`` blocks of 256 elements of one tensor, ``NBLK`` at a time in a loop (the
 per-program work, table reads and bias corrections, is shared by ``ITERS`` tiles). The update follows ``torch.optim.Adam``'s
 single-tensor arithmetic (maximize, L2 or decoupled weight decay, lerp for the first moment,
-amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device, so
-no host synchronisation or host-side step value is needed (the step is CUDA-graph friendly).
+amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device
+(``bias_corrections_kernel``, one program per tensor, just before), so no host synchronisation or
+host-side step value is needed (the step is CUDA-graph friendly).
 The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` -> encode);
 ``tests/kernels`` compares the two on random inputs.
 """
@@ -220,9 +221,9 @@ def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr,
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE,
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, step_mix, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
-                lr_ptr, lr, beta1, beta2, ln_beta1, ln_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
                 P_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
                 M_SR: tl.constexpr, V_SR: tl.constexpr, P_SR: tl.constexpr,
@@ -239,11 +240,9 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
     g_ptr = param_pointer(tl.load(G + t), P_KIND)
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
-    step = tl.load(tl.load(STEPS + t).to(tl.pointer_type(tl.float32))) + 1.0
-    bc1 = one_minus_pow(step, ln_beta1)
-    bc2_sqrt = tl.sqrt_rn(one_minus_pow(step, ln_beta2))
-    step_size = tl.math.div_rn(lr, bc1)
-    inv_bc2_sqrt = 1.0 / bc2_sqrt
+    step_size = tl.load(CORR + 3 * t)  # bias corrections of this tensor (bias_corrections_kernel)
+    inv_bc2_sqrt = tl.load(CORR + 3 * t + 1)
+    bc2_sqrt = tl.load(CORR + 3 * t + 2)
     m_addr = tl.load(M + t)
     ms_addr = tl.load(MS + t)
     v_addr = tl.load(V + t)
@@ -321,6 +320,23 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, STEPS, FLAGS, SEEDS, step_mix, BASE
             store_master(p, p_ptr, C, t, elem, p_mask, MASTER)
         else:
             store_param(p, p_ptr, elem, sr_idx, p_mask, p_key, P_KIND, P_SR)
+
+
+@triton.jit
+def bias_corrections_kernel(STEPS, CORR, lr_ptr, lr, ln_beta1, ln_beta2, LR_TENSOR: tl.constexpr):
+    """Per tensor of a launch (one program each), from its step count on the device (no host
+    synchronisation): ``CORR[3 t .. 3 t + 2]`` = the step size ``lr / (1 - beta1**step)``,
+    ``1 / sqrt(1 - beta2**step)`` and ``sqrt(1 - beta2**step)`` of the coming step, read by
+    ``adam_kernel`` (once per tensor here instead of in every one of its programs)."""
+    t = tl.program_id(0)
+    if LR_TENSOR:
+        lr = tl.load(lr_ptr)
+    step = tl.load(tl.load(STEPS + t).to(tl.pointer_type(tl.float32))) + 1.0
+    bc1 = one_minus_pow(step, ln_beta1)
+    bc2_sqrt = tl.sqrt_rn(one_minus_pow(step, ln_beta2))
+    tl.store(CORR + 3 * t, tl.math.div_rn(lr, bc1))
+    tl.store(CORR + 3 * t + 1, 1.0 / bc2_sqrt)
+    tl.store(CORR + 3 * t + 2, bc2_sqrt)
 
 
 @triton.jit
