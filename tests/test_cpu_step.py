@@ -78,8 +78,9 @@ def test_decoded_state_stays_under_chunk_bytes():
     assert m["materialize_ms"] == 0 and m["tiles"] == 4
     assert m["peak_materialized_bytes"] == 16 * 512 * 8
     assert torch.equal(ref_params[0], params[0])
-    # a row larger than the chunk: the tiled path, which can cut inside rows
-    _, opt = run("8bit", fast=True, steps=2, shapes=shapes, chunk_bytes=2048)
+    # a row larger than the chunk (the fast path views 512-wide rows as 256-wide ones: 2 KiB of
+    # decoded state): the tiled path, which can cut inside rows
+    _, opt = run("8bit", fast=True, steps=2, shapes=shapes, chunk_bytes=1024)
     assert opt.last_step_timings["materialize_ms"] > 0
 
 
@@ -118,17 +119,22 @@ def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch):
     through its reciprocal), so parameters may differ by a few ulp. Codes come from the same
     rounding stream and differ only where a value sits within those ulp of a threshold.
 
-    One shape class (rows of whole blocks) keeps this to a single compilation."""
+    Both shapes are viewed as 256-wide rows: one shape class, a single compilation."""
     if not hasattr(torch, "compile"):
         pytest.skip("torch.compile unavailable")
+    from torch._dynamo.utils import counters
     monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "1")
+    monkeypatch.setattr(cpu_step, "_STEPPERS", {})  # compile here, whatever ran before
     shapes = [(32, 512), (16, 256)]
     ref_params, ref = run("8bit", fast=False, steps=4, shapes=shapes)
+    graphs = counters["stats"]["unique_graphs"]
     params, opt = run("8bit", fast=True, steps=4, shapes=shapes)
+    compiled_graphs = counters["stats"]["unique_graphs"] - graphs
     if any(flags[:2] == (opt.state[params[0]]["exp_avg"].codec, opt.state[params[0]]["exp_avg_sq"].codec)
            for flags in cpu_step._FAILED):
         pytest.skip("torch.compile failed on this machine (the eager fallback is tested above)")
     assert opt.last_step_timings["materialize_ms"] == 0
+    assert compiled_graphs == 1
     codes, differing = 0, 0
     for a, b in zip(ref_params, params):
         ulps = (a - b).abs() / (torch.finfo(torch.float32).eps * (a.abs() + 1e-2))  # in ulp of |p| + lr
