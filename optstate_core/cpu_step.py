@@ -112,7 +112,7 @@ def bucketize_by_counting(input, boundaries, *, out_int32=False, right=False):
             count = count + ((boundaries[i] <= input) if right else (boundaries[i] < input)).to(torch.int32)
     else:
         count = ((boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))).sum(-1)
-    index = torch.where(torch.isnan(input), n, count)
+    index = torch.where(input != input, n, count)  # NaN (a comparison vectorizes where isnan does not)
     return index.to(torch.int32 if out_int32 else torch.int64)
 
 
