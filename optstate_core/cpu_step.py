@@ -152,8 +152,9 @@ def slab_width(cols: int) -> int:
 def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: bool) -> Callable:
     """The step for one combination of codecs and flags over 2-D row slices. Compiled with rows
     of a static ``width``: the width, block sizes and every constant are compiled in (inner loops
-    with static trip counts) and only the row counts, marked by :func:`_mark_rows`, are symbolic;
-    ``width=None``: every size symbolic (one graph for widths beyond ``MAX_STATIC_WIDTHS``)."""
+    with static trip counts) and only the row counts, marked by :func:`_mark_sizes`, are
+    symbolic; ``width=None``: row counts and widths symbolic (one graph for the widths beyond
+    ``MAX_STATIC_WIDTHS``), block sizes still constants."""
     key = (m_codec, v_codec, maximize, width, compiled)
     fn = _STEPPERS.get(key)
     if fn is None:
@@ -163,8 +164,8 @@ def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: b
         def fn(p, g, m_payload, v_payload, hyper, keys, offset):
             adam_step_encoded(p, g, m_payload, v_payload, hyper, keys, offset, m_codec=m_codec, v_codec=v_codec,
                               maximize=maximize)
-        if compiled:
-            fn = torch.compile(fn, backend=inductor_backend, dynamic=width is None, fullgraph=True)
+        if compiled:  # static by default: Python ints (block sizes, width) are compiled in
+            fn = torch.compile(fn, backend=inductor_backend, dynamic=False, fullgraph=True)
         _STEPPERS[key] = fn
     return fn
 
@@ -275,7 +276,7 @@ def _run(flags, args) -> None:
                 static = _static_width(flags)
                 t = time.perf_counter()
                 with _shape_config():
-                    _stepper(m_codec, v_codec, maximize, static, compiled=True)(*(_mark_rows(args) if static else args))
+                    _stepper(m_codec, v_codec, maximize, static, compiled=True)(*_mark_sizes(args, static is None))
                 _note_compile(flags, time.perf_counter() - t)
                 return
             except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
@@ -300,12 +301,13 @@ def _static_width(flags) -> Optional[int]:
     return None
 
 
-def _mark_rows(args):
-    """Mark the row count of every 2-D argument symbolic for the compiler (one graph for any
-    number of rows of a static width)."""
+def _mark_sizes(args, widths_too: bool):
+    """Mark the row count (and with ``widths_too`` the width) of every 2-D argument symbolic
+    for the compiler: one graph for any number of rows (and any width)."""
     p, g, m_payload, v_payload = args[:4]
     for t in (p, g, *m_payload.values(), *v_payload.values()):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+        for dim in ((0, 1) if widths_too else (0,)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
     return args
 
 

@@ -113,19 +113,26 @@ def test_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
         assert torch.equal(a, b)
 
 
-def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch):
+# (shapes, distinct static widths allowed): two shapes viewed as 256-wide rows; two odd widths
+# that share the graph with symbolic widths once no static width is left
+COMPILED_CASES = [([(32, 512), (16, 256)], cpu_step.MAX_STATIC_WIDTHS), ([(9, 300), (5, 1001)], 0)]
+
+
+@pytest.mark.parametrize("shapes,static_widths", COMPILED_CASES, ids=["256-wide rows", "symbolic widths"])
+def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shapes, static_widths):
     """Compiled code may round a few float operations differently from eager torch (inductor
     lowers lerp/addcmul without torch's fused multiply-add and divides by the bias correction
     through its reciprocal), so parameters may differ by a few ulp. Codes come from the same
     rounding stream and differ only where a value sits within those ulp of a threshold.
 
-    Both shapes are viewed as 256-wide rows: one shape class, a single compilation."""
+    Each case is one shape class: a single compilation for both shapes."""
     if not hasattr(torch, "compile"):
         pytest.skip("torch.compile unavailable")
     from torch._dynamo.utils import counters
     monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "1")
     monkeypatch.setattr(cpu_step, "_STEPPERS", {})  # compile here, whatever ran before
-    shapes = [(32, 512), (16, 256)]
+    monkeypatch.setattr(cpu_step, "_STATIC_WIDTHS", {})
+    monkeypatch.setattr(cpu_step, "MAX_STATIC_WIDTHS", static_widths)
     ref_params, ref = run("8bit", fast=False, steps=4, shapes=shapes)
     graphs = counters["stats"]["unique_graphs"]
     params, opt = run("8bit", fast=True, steps=4, shapes=shapes)
