@@ -6,7 +6,9 @@ scales, lookups) then dominates, many passes over memory per op. Here the same t
 run as one function per parameter: the codecs' own ``decode_into`` / ``encode_into`` (so a
 codec change flows through) around the arithmetic of ``torch.optim.Adam``'s single-tensor
 step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops when it can be,
-else run eagerly.
+else run eagerly. Compiled code is specialized per row width (:func:`slab_width`: 256-wide rows
+for most weight matrices) with only the row count symbolic, so block sizes and widths are
+constants of its loops.
 
 Results: eager execution performs the same torch operations on the same float32 values as
 the reference, so it is bit-identical to it. Compiled code rounds a few float operations
