@@ -166,6 +166,9 @@ def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: b
         def fn(p, g, m_payload, v_payload, hyper, keys, offset):
             adam_step_encoded(p, g, m_payload, v_payload, hyper, keys, offset, m_codec=m_codec, v_codec=v_codec,
                               maximize=maximize)
+        # a code object of its own: dynamo keeps its graphs per code object and its recompile
+        # limit (8) would otherwise count every codec pair and width of the process together
+        fn.__code__ = fn.__code__.replace(co_name=f"optstate_cpu_step_{len(_STEPPERS)}")
         if compiled:  # static by default: Python ints (block sizes, width) are compiled in
             fn = torch.compile(fn, backend=inductor_backend, dynamic=False, fullgraph=True)
         _STEPPERS[key] = fn

@@ -178,3 +178,14 @@ def test_bucketize_by_counting_is_torch_bucketize(n):
             expected = torch.bucketize(x, bounds, right=right, out_int32=out_int32)
             got = cpu_step.bucketize_by_counting(x, bounds, right=right, out_int32=out_int32)
             assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_each_stepper_has_its_own_code_object(monkeypatch):
+    """dynamo counts its recompile limit (8) per code object: steppers for different codec pairs
+    and widths must not share one, or a model with many would silently fall back to eager."""
+    from optstate_core.codecs.int8 import Int8Codec
+    monkeypatch.setattr(cpu_step, "_STEPPERS", {})
+    m, v = Int8Codec().specialize(False), Int8Codec().specialize(True)
+    steppers = [cpu_step._stepper(m, v, maximize, width, compiled=False)
+                for maximize in (False, True) for width in (128, 256, 300, 1001, None)]
+    assert len({id(f.__code__) for f in steppers}) == len(steppers)
