@@ -6,7 +6,9 @@ scales, lookups) then dominates, many passes over memory per op. Here the same t
 run as one function per parameter: the codecs' own ``decode_into`` / ``encode_into`` (so a
 codec change flows through) around the arithmetic of ``torch.optim.Adam``'s single-tensor
 step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops when it can be,
-else run eagerly.
+else run eagerly. Compiled code is specialized per row width (:func:`slab_width`: 256-wide rows
+for most weight matrices) with only the row count symbolic, so block sizes and widths are
+constants of its loops.
 
 Results: eager execution performs the same torch operations on the same float32 values as
 the reference, so it is bit-identical to it. Compiled code rounds a few float operations
@@ -107,12 +109,12 @@ def bucketize_by_counting(input, boundaries, *, out_int32=False, right=False):
     A short table (a codebook) is unrolled into elementwise compares, which vectorize."""
     n = int(boundaries.shape[0])  # specializes the table's length: one guard
     if n <= UNROLL_BOUNDARIES:
-        count = torch.zeros_like(input, dtype=torch.int64)
+        count = torch.zeros_like(input, dtype=torch.int32)  # int32 vectors hold twice the lanes
         for i in range(n):
-            count = count + ((boundaries[i] <= input) if right else (boundaries[i] < input)).to(torch.int64)
+            count = count + ((boundaries[i] <= input) if right else (boundaries[i] < input)).to(torch.int32)
     else:
         count = ((boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))).sum(-1)
-    index = torch.where(torch.isnan(input), n, count)
+    index = torch.where(input != input, n, count)  # NaN (a comparison vectorizes where isnan does not)
     return index.to(torch.int32 if out_int32 else torch.int64)
 
 
@@ -135,10 +137,27 @@ def inductor_backend(gm, example_inputs):
 _STEPPERS: Dict[tuple, Callable] = {}
 _FAILED: set = set()
 
+#: rows whose width divides by this hold whole blocks of every codec (tiled.TILE_GRANULARITY)
+ROW_GRANULARITY = 256
+#: distinct static widths compiled per codec pair before further widths share one dynamic-width graph
+MAX_STATIC_WIDTHS = 8
 
-def _stepper(m_codec, v_codec, maximize: bool, compiled: bool) -> Callable:
-    """The (compiled, dynamic-shape) step for one combination of codecs and flags."""
-    key = (m_codec, v_codec, maximize, compiled)
+
+def slab_width(cols: int) -> int:
+    """The row width the step views a parameter with: ``ROW_GRANULARITY`` when the rows hold
+    whole multiples of it (a row-major tensor is then a stack of 256-wide rows with the same
+    blocks and the same element indices, so every such parameter shares one compiled shape
+    class whatever its shape), else its own row length."""
+    return ROW_GRANULARITY if cols % ROW_GRANULARITY == 0 else cols
+
+
+def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: bool) -> Callable:
+    """The step for one combination of codecs and flags over 2-D row slices. Compiled with rows
+    of a static ``width``: the width, block sizes and every constant are compiled in (inner loops
+    with static trip counts) and only the row counts, marked by :func:`_mark_sizes`, are
+    symbolic; ``width=None``: row counts and widths symbolic (one graph for the widths beyond
+    ``MAX_STATIC_WIDTHS``), block sizes still constants."""
+    key = (m_codec, v_codec, maximize, width, compiled)
     fn = _STEPPERS.get(key)
     if fn is None:
         for codec in (m_codec, v_codec):  # fill the codecs' lookup-table caches outside the trace
@@ -147,8 +166,11 @@ def _stepper(m_codec, v_codec, maximize: bool, compiled: bool) -> Callable:
         def fn(p, g, m_payload, v_payload, hyper, keys, offset):
             adam_step_encoded(p, g, m_payload, v_payload, hyper, keys, offset, m_codec=m_codec, v_codec=v_codec,
                               maximize=maximize)
-        if compiled:
-            fn = torch.compile(fn, backend=inductor_backend, dynamic=True, fullgraph=True)
+        # a code object of its own: dynamo keeps its graphs per code object and its recompile
+        # limit (8) would otherwise count every codec pair and width of the process together
+        fn.__code__ = fn.__code__.replace(co_name=f"optstate_cpu_step_{len(_STEPPERS)}")
+        if compiled:  # static by default: Python ints (block sizes, width) are compiled in
+            fn = torch.compile(fn, backend=inductor_backend, dynamic=False, fullgraph=True)
         _STEPPERS[key] = fn
     return fn
 
@@ -213,9 +235,11 @@ def run_cpu_fast(engine, works: List) -> List:
 def _step_one(engine, w, group) -> bool:
     """Step one parameter in row slices whose decoded state (m and v in fp32, ``MATERIALIZED``
     bytes per element) stays under ``chunk_bytes``; False (nothing done) when one row exceeds it."""
-    per_row = MATERIALIZED * w.cols
+    width = slab_width(w.cols)
+    per_row = MATERIALIZED * width
     if per_row > engine.chunk_bytes:
         return False
+    rows = w.rows * w.cols // width
     rows_per_call = max(1, engine.chunk_bytes // per_row)
     m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
     step_t = w.state["step"]
@@ -224,13 +248,14 @@ def _step_one(engine, w, group) -> bool:
                          float(group["weight_decay"]), float(step_t) + 1, _decoupled(engine.inner, group))
     keys = torch.tensor([_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)],
                         dtype=torch.int64)
-    flags = (m_enc.codec, v_enc.codec, bool(group.get("maximize")))
-    p, g = w.param.detach().view(w.rows, w.cols), w.grad.detach().view(w.rows, w.cols)
-    for r0 in range(0, w.rows, rows_per_call):
-        r1 = min(w.rows, r0 + rows_per_call)
-        offset = torch.tensor(w.offset + r0 * w.cols, dtype=torch.int64)
-        _run(flags, (p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_enc.payload.items()},
-                     {k: t[r0:r1] for k, t in v_enc.payload.items()}, hyper, keys, offset))
+    flags = (m_enc.codec, v_enc.codec, bool(group.get("maximize")), width)
+    p, g = w.param.detach().view(rows, width), w.grad.detach().view(rows, width)
+    m_rows, v_rows = _payload_rows(m_enc.payload, rows), _payload_rows(v_enc.payload, rows)
+    for r0 in range(0, rows, rows_per_call):
+        r1 = min(rows, r0 + rows_per_call)
+        offset = torch.tensor(w.offset + r0 * width, dtype=torch.int64)
+        _run(flags, (p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_rows.items()},
+                     {k: t[r0:r1] for k, t in v_rows.items()}, hyper, keys, offset))
         engine.metrics.chunks += 1
         engine.metrics.tiles += 1
         engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, (r1 - r0) * per_row)
@@ -241,21 +266,54 @@ def _step_one(engine, w, group) -> bool:
     return True
 
 
+def _payload_rows(payload: dict, rows: int) -> dict:
+    """The (contiguous) payload tensors viewed as ``rows`` rows (of whole blocks)."""
+    return {k: t.view(rows, -1) for k, t in payload.items()}
+
+
 def _run(flags, args) -> None:
-    """The compiled step when compilation is wanted and works, else the same step eagerly."""
+    """The compiled step when compilation is wanted and works, else the same step eagerly.
+    ``flags``: (m codec, v codec, maximize, row width); ``args``: 2-D row slices."""
+    m_codec, v_codec, maximize, width = flags
     with torch.no_grad():
         if compile_wanted() and flags not in _FAILED:
             try:
+                static = _static_width(flags)
                 t = time.perf_counter()
                 with _shape_config():
-                    _stepper(*flags, compiled=True)(*args)
+                    _stepper(m_codec, v_codec, maximize, static, compiled=True)(*_mark_sizes(args, static is None))
                 _note_compile(flags, time.perf_counter() - t)
                 return
             except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
                 _FAILED.add(flags)
                 log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
-                            flags[0].name, flags[1].name, e)
-        _stepper(*flags, compiled=False)(*args)
+                            m_codec.name, v_codec.name, e)
+        _stepper(m_codec, v_codec, maximize, width, compiled=False)(*args)
+
+
+_STATIC_WIDTHS: Dict[tuple, set] = {}
+
+
+def _static_width(flags) -> Optional[int]:
+    """The row width as a constant of the compiled code (the common case), or None once this codec
+    pair has ``MAX_STATIC_WIDTHS`` others (odd widths then share one graph instead of compiling
+    each)."""
+    seen = _STATIC_WIDTHS.setdefault(flags[:3], set())
+    width = flags[3]
+    if width in seen or width == ROW_GRANULARITY or len(seen) < MAX_STATIC_WIDTHS:
+        seen.add(width)
+        return width
+    return None
+
+
+def _mark_sizes(args, widths_too: bool):
+    """Mark the row count (and with ``widths_too`` the width) of every 2-D argument symbolic
+    for the compiler: one graph for any number of rows (and any width)."""
+    p, g, m_payload, v_payload = args[:4]
+    for t in (p, g, *m_payload.values(), *v_payload.values()):
+        for dim in ((0, 1) if widths_too else (0,)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+    return args
 
 
 def _shape_config():

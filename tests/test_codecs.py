@@ -153,3 +153,38 @@ def test_get_codec_aliases():
     assert oc.get_codec("8bit").name == "int8"
     assert oc.get_codec("4bit").name == "int4"
     assert oc.get_codec("none").lossless
+
+
+def test_rounding_stream_is_the_documented_32_bit_formula():
+    """The torch rounding bits (int32 arithmetic since 2026-11-23) are the stream of the scalar
+    formula the Triton kernels also compute, for indices past 2**32 and keys past 2**31 too."""
+    from optstate_core.codecs.rounding import ELEMENT_MULT, MASK32, mix32, random_bits
+
+    def scalar(key, i):
+        x = (((i & MASK32) ^ key) + mix32(i >> 32)) & MASK32
+        y = (x * ELEMENT_MULT) & MASK32
+        y ^= y >> 16
+        return (y * ELEMENT_MULT) & MASK32
+    idx = torch.tensor([0, 1, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**40 + 12345] +
+                       list(range(1000, 1064)), dtype=torch.int64)
+    for key in (0, 12345, 2**31, 2**32 - 1):
+        expected = torch.tensor([scalar(key, int(i)) for i in idx])
+        assert torch.equal(random_bits(key, idx), expected)
+        assert torch.equal(random_bits(torch.tensor(key), idx), expected)  # key as a 0-d tensor
+    assert torch.equal(RoundingContext(7, 2**32 - 3, 10).bits(2, 4, "cpu"),
+                       torch.tensor([[scalar(7, 2**32 - 3 + r * 10 + c) for c in range(4)] for r in range(2)]))
+
+
+def test_arithmetic_decodes_equal_the_tables_bit_for_bit():
+    from optstate_core.codecs.int4 import Int4Codec
+    from optstate_core.codecs.int8 import MinifloatMap
+    codes = torch.arange(256, dtype=torch.uint8)
+    for signed in (True, False):
+        for exp_bits in range(1, 7):
+            m = MinifloatMap(signed, exp_bits)
+            assert torch.equal(m.decode(codes).view(torch.int32), m.lut().view(torch.int32)), (signed, exp_bits)
+        for power in (None, 1, 2, 3, 4, 6, 2.5):
+            codec = Int4Codec(signed=signed, power=power)
+            table = codec.tables("cpu")[2]
+            got = codec.values_of(codes[:16])
+            assert torch.equal(got.view(torch.int32), table.view(torch.int32)), (signed, power)

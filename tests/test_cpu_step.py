@@ -78,8 +78,9 @@ def test_decoded_state_stays_under_chunk_bytes():
     assert m["materialize_ms"] == 0 and m["tiles"] == 4
     assert m["peak_materialized_bytes"] == 16 * 512 * 8
     assert torch.equal(ref_params[0], params[0])
-    # a row larger than the chunk: the tiled path, which can cut inside rows
-    _, opt = run("8bit", fast=True, steps=2, shapes=shapes, chunk_bytes=2048)
+    # a row larger than the chunk (the fast path views 512-wide rows as 256-wide ones: 2 KiB of
+    # decoded state): the tiled path, which can cut inside rows
+    _, opt = run("8bit", fast=True, steps=2, shapes=shapes, chunk_bytes=1024)
     assert opt.last_step_timings["materialize_ms"] > 0
 
 
@@ -112,23 +113,35 @@ def test_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
         assert torch.equal(a, b)
 
 
-def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch):
+# (shapes, distinct static widths allowed): two shapes viewed as 256-wide rows; two odd widths
+# that share the graph with symbolic widths once no static width is left
+COMPILED_CASES = [([(32, 512), (16, 256)], cpu_step.MAX_STATIC_WIDTHS), ([(9, 300), (5, 1001)], 0)]
+
+
+@pytest.mark.parametrize("shapes,static_widths", COMPILED_CASES, ids=["256-wide rows", "symbolic widths"])
+def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shapes, static_widths):
     """Compiled code may round a few float operations differently from eager torch (inductor
     lowers lerp/addcmul without torch's fused multiply-add and divides by the bias correction
     through its reciprocal), so parameters may differ by a few ulp. Codes come from the same
     rounding stream and differ only where a value sits within those ulp of a threshold.
 
-    One shape class (rows of whole blocks) keeps this to a single compilation."""
+    Each case is one shape class: a single compilation for both shapes."""
     if not hasattr(torch, "compile"):
         pytest.skip("torch.compile unavailable")
+    from torch._dynamo.utils import counters
     monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "1")
-    shapes = [(32, 512), (16, 256)]
+    monkeypatch.setattr(cpu_step, "_STEPPERS", {})  # compile here, whatever ran before
+    monkeypatch.setattr(cpu_step, "_STATIC_WIDTHS", {})
+    monkeypatch.setattr(cpu_step, "MAX_STATIC_WIDTHS", static_widths)
     ref_params, ref = run("8bit", fast=False, steps=4, shapes=shapes)
+    graphs = counters["stats"]["unique_graphs"]
     params, opt = run("8bit", fast=True, steps=4, shapes=shapes)
+    compiled_graphs = counters["stats"]["unique_graphs"] - graphs
     if any(flags[:2] == (opt.state[params[0]]["exp_avg"].codec, opt.state[params[0]]["exp_avg_sq"].codec)
            for flags in cpu_step._FAILED):
         pytest.skip("torch.compile failed on this machine (the eager fallback is tested above)")
     assert opt.last_step_timings["materialize_ms"] == 0
+    assert compiled_graphs == 1
     codes, differing = 0, 0
     for a, b in zip(ref_params, params):
         ulps = (a - b).abs() / (torch.finfo(torch.float32).eps * (a.abs() + 1e-2))  # in ulp of |p| + lr
@@ -165,3 +178,14 @@ def test_bucketize_by_counting_is_torch_bucketize(n):
             expected = torch.bucketize(x, bounds, right=right, out_int32=out_int32)
             got = cpu_step.bucketize_by_counting(x, bounds, right=right, out_int32=out_int32)
             assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_each_stepper_has_its_own_code_object(monkeypatch):
+    """dynamo counts its recompile limit (8) per code object: steppers for different codec pairs
+    and widths must not share one, or a model with many would silently fall back to eager."""
+    from optstate_core.codecs.int8 import Int8Codec
+    monkeypatch.setattr(cpu_step, "_STEPPERS", {})
+    m, v = Int8Codec().specialize(False), Int8Codec().specialize(True)
+    steppers = [cpu_step._stepper(m, v, maximize, width, compiled=False)
+                for maximize in (False, True) for width in (128, 256, 300, 1001, None)]
+    assert len({id(f.__code__) for f in steppers}) == len(steppers)

@@ -56,6 +56,27 @@ class MinifloatMap:
             return mags
         return torch.cat([mags, -mags])
 
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """float32 values of ``codes`` (uint8), bit for bit :meth:`lut`'s, by exact integer and
+        float arithmetic (no table lookup and no bit reinterpretation, so compiled CPU code
+        vectorizes it): a normal code is ``(2**M + f) * 2**e * 2**-(bias + M)``, a signed
+        subnormal ``f * 2**(1 - bias - M)``, each product exact (few significant bits, no
+        float32 subnormal). Needs ``code_offset >= 0`` (every map but the unsigned one with 7
+        exponent bits, whose codes reach float32 subnormals: that one decodes through :meth:`lut`)."""
+        c = codes.to(torch.int32)
+        mag = c & 0x7F if self.signed else c
+        e, f = mag >> self.man_bits, mag & ((1 << self.man_bits) - 1)
+        # 2**e, exact, for e < 64: shifts below 2**15 times 2**16 / 2**32 factors
+        pow_e = (1 << (e & 15)).to(torch.float32)
+        for bit, factor in ((16, 2.0 ** 16), (32, 2.0 ** 32)):
+            if (1 << self.exp_bits) > bit:
+                pow_e = pow_e * torch.where((e & bit) != 0, factor, 1.0)
+        normal = ((f + (1 << self.man_bits)).to(torch.float32) * pow_e) * 2.0 ** -(self.bias + self.man_bits)
+        if self.signed:
+            value = torch.where(e == 0, f.to(torch.float32) * (1.0 / self.sub_mult), normal)
+            return torch.where(c > 0x7F, -value, value)
+        return torch.where(c == 0, 0.0, normal)
+
     def encode(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
         """Codes (int32) for normalized finite-or-inf ``y`` (|y| < 1 for finite values).
 
@@ -69,13 +90,14 @@ class MinifloatMap:
         else:
             half = 1 << (self.shift - 1)
         if self.signed:
-            a = torch.nan_to_num(y.abs(), nan=0.0)
+            a = y.abs()
+            a = torch.where(a != a, 0.0, a)  # NaN -> 0 (inf, like nan_to_num's FLT_MAX, takes the top code)
             small = a < self.normal_min
             t = torch.where(small, a + self.normal_min, a)
             mag = ((t.view(torch.int32) + half) >> self.shift) - self.code_offset
             mag = torch.where(small, mag - (1 << self.man_bits), mag).clamp_(0, self.max_mag)
             return torch.where((y < 0) & (mag > 0), mag | 0x80, mag)
-        a = torch.nan_to_num(y, nan=0.0).clamp_min(0)
+        a = torch.where(y != y, 0.0, y).clamp_min(0)
         normal = ((a.view(torch.int32) + half) >> self.shift) - self.code_offset
         return torch.where(a > 0, normal.clamp_(1, self.max_mag), 0)
 
@@ -130,8 +152,8 @@ class Int8Codec(Codec):
         out["scales"].copy_(scales)
 
     def decode_into(self, payload, out):
-        cols = out.shape[1]
-        val = self.lut(payload["codes"].device)[payload["codes"].long()]
+        codes = payload["codes"]
+        val = self.map.decode(codes) if self.map.code_offset >= 0 else self.lut(codes.device)[codes.long()]
         return out.copy_(scale_blocks(val, payload["scales"], self.block_size))
 
     def __getstate__(self):

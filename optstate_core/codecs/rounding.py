@@ -53,28 +53,46 @@ def state_seed(base_seed: int, param_index: int, state_key: str) -> int:
 ELEMENT_MULT = 0x9E3779B1  # odd, ~2**32 / golden ratio: a Weyl sequence over consecutive indices
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), in 16-bit halves (no int64 overflow)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+def _as_int32(c: int) -> int:
+    """The int32 with the same 32 bits as ``c`` in [0, 2**32)."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _xorshift16(x: torch.Tensor) -> torch.Tensor:
+    """``x ^ (x >> 16)`` of the 32 bits held in int32 ``x`` (a logical shift: mask the sign fill)."""
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` on the 32 bits held in int32 ``x`` (wrapping multiplies)."""
+    x = _xorshift16(x) * _MULT
+    x = _xorshift16(x) * _MULT
+    return _xorshift16(x)
 
 
 def element_mix(x: torch.Tensor) -> torch.Tensor:
-    """The per-element mixer: multiply, xor-shift, multiply (mod 2**32; int64 holding [0, 2**32)).
+    """The per-element mixer: multiply, xor-shift, multiply (mod 2**32, on the 32 bits held in
+    an int32 tensor; int32 multiplies wrap, and vectorize where int64 ones do not).
 
     Two multiplies and one xor-shift where :func:`mix32` has three xor-shifts: the key already
     carries a full :func:`mix32` of seed and step, so for a fixed element the bits are uniform
     and independent across steps (the map is a bijection); the middle xor-shift folds the well
     mixed high half of the first product into the low half, which decorrelates neighbouring
     indices (measured correlation of adjacent elements' rounding bits: |r| < 0.003)."""
-    y = _mul32(x, ELEMENT_MULT)
-    return _mul32(y ^ (y >> 16), ELEMENT_MULT)
+    y = x * _as_int32(ELEMENT_MULT)
+    return _xorshift16(y) * _as_int32(ELEMENT_MULT)
 
 
-def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
-    """32 random bits (as int64 in [0, 2**32)) for each element index (int64 tensor)."""
-    lo = index & MASK32
-    hi = mix32_tensor(index >> 32)  # 0 for indices below 2**32
-    return element_mix(((lo ^ key) + hi) & MASK32)
+def random_bits(key, index: torch.Tensor) -> torch.Tensor:
+    """32 random bits (as int64 in [0, 2**32)) for each element index (int64 tensor); ``key``
+    a Python int in [0, 2**32) or an int64 0-d tensor holding one.
+
+    The arithmetic is modulo 2**32 on int32 tensors (same bits as the Triton kernels' uint32
+    twin and as the int64 formulation this replaced on 2026-11-23: the stream is unchanged)."""
+    lo = index.to(torch.int32)  # the low 32 bits
+    hi = _mix32_int32((index >> 32).to(torch.int32))  # 0 for indices below 2**32
+    key32 = _as_int32(key & MASK32) if isinstance(key, int) else key.to(torch.int32)
+    return element_mix((lo ^ key32) + hi).to(torch.int64) & MASK32
 
 
 class RoundingContext:
