@@ -283,3 +283,14 @@ def test_prefetch_off_streams_in_step():
     assert not opt._engine.schedule._hooks
     assert torch.equal(flat_params(model), flat_params(twin))
     assert_same_state(opt, ref)
+
+
+def test_e2e_bench_offloaded_rows_prefetch_by_default():
+    from optstate_core.apps.e2e import e2e_configs
+
+    configs, _ = e2e_configs(10**6, compare=False, budget_fraction=1 / 16)
+    ps = [torch.nn.Parameter(torch.zeros(8, 256))]
+    offloaded = {label: build(ps)._engine.schedule.area.enabled
+                 for label, build in configs.items() if build is not None and ("offloaded" in label or "budget" in label)}
+    assert offloaded and all(enabled == ("no prefetch" not in label) for label, enabled in offloaded.items())
+    assert any("no prefetch" in label for label in offloaded)
