@@ -18,6 +18,7 @@ with plain copies and no streams, so the CPU tests exercise the ordering logic t
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Dict, Optional
 
@@ -27,6 +28,8 @@ from .codecs import EncodedTensor
 from .prefetch import AUTO, PrefetchArea, Staged
 from .transfer import StagingRing, Streams, coalesce_copies
 
+log = logging.getLogger("optstate")
+
 
 class StepBoundary:
     """Whether the next backward ends in an optimizer step (set by integrations, or read from a
@@ -35,16 +38,23 @@ class StepBoundary:
     def __init__(self):
         self.flag = True
         self.source = None
+        self.marked = False  # set() was called: someone tells us where windows end
 
     def set(self, will_step: bool) -> None:
         self.flag = will_step
+        self.marked = True
+
+    @property
+    def known(self) -> bool:
+        """Whether window ends are reported (by set() or a bound source), not assumed."""
+        return self.marked or self.source is not None
 
     @property
     def will_step(self) -> bool:
         return bool(self.source()) if self.source is not None else self.flag
 
     def __getstate__(self):
-        return {"flag": self.flag, "source": None}
+        return {"flag": self.flag, "source": None, "marked": self.marked}
 
 
 class StepSchedule:
@@ -61,6 +71,7 @@ class StepSchedule:
         self._where: Dict[int, tuple] = {}
         self._hooks = []
         self._hooked = set()  # ids of parameters with a hook
+        self.unmarked_accumulation = False  # a window of several backwards that nobody marked was seen
         self.release = None  # GradientRelease (release.py) when gradients are released in backward
 
     # -- phase 1: backward ------------------------------------------------------------------------
@@ -105,9 +116,13 @@ class StepSchedule:
         if located is None or not self.boundary.will_step:
             return
         area, device = self.area, param.device
-        area.observe_hook(device)
         if id(param) in area.entries:
+            if not self.boundary.known:  # a second backward before the step, and no boundary marks
+                self._stop_unmarked()
             return
+        if self.unmarked_accumulation and not self.boundary.known:
+            return
+        area.observe_hook(device)
         bucket, i = located
         piece = (i, 0, bucket.rows[i])
         nbytes = bucket.piece_bytes(piece)
@@ -132,6 +147,14 @@ class StepSchedule:
         self._where = {id(k): (b, i) for b in buckets if b.plan["offload"] for i, k in enumerate(b.keys)}
         if self._where and self.area.enabled:
             self.register_hooks(p for g in self.engine.inner.param_groups for p in g["params"])
+
+    def _stop_unmarked(self) -> None:
+        """Gradient accumulation without boundary marks: staged state would sit on the device
+        through the window's later forwards, so backward-time uploads stop until marks come."""
+        self.area.drop()
+        self.unmarked_accumulation = True
+        log.info("optstate: gradient accumulation without set_step_boundary(): offloaded state now uploads in "
+                 "step() only; mark the last micro-batch of each window (integrations do) to upload it in backward")
 
     def drop_prefetch(self) -> None:
         """Discard staged copies (zero_grad without a step, checkpoints, state moves): the host

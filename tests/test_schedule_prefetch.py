@@ -294,3 +294,26 @@ def test_e2e_bench_offloaded_rows_prefetch_by_default():
                  for label, build in configs.items() if build is not None and ("offloaded" in label or "budget" in label)}
     assert offloaded and all(enabled == ("no prefetch" not in label) for label, enabled in offloaded.items())
     assert any("no prefetch" in label for label in offloaded)
+
+
+def test_unmarked_accumulation_stops_backward_uploads():
+    """Accumulation without set_step_boundary(): the second backward before a step drops the
+    staged copies (they would sit through the window's forwards) and uploads move to step()."""
+    model, opt, twin, ref = twins()
+    schedule = opt._engine.schedule
+    for step in range(6):
+        for micro in range(2):
+            backward(model, batch(step, micro))
+            backward(twin, batch(step, micro))
+            if step >= 2:
+                assert bool(schedule.prefetched) == (step == 2 and micro == 0)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert schedule.unmarked_accumulation and phase_bytes(opt)["backward"] == 0
+    opt.set_step_boundary(True)  # marks arrive: uploads in backward again
+    backward(model, batch(9))
+    assert schedule.prefetched
+    assert torch.equal(flat_params(model), flat_params(twin))
+    assert_same_state(opt, ref)
