@@ -113,13 +113,13 @@ class PrefetchArea:
     def take(self, key: int) -> Staged:
         return self.entries.pop(key)
 
-    def mark(self, which: str, event) -> None:
-        """Timing events (CUDA only): the first start and the latest end of each phase's copies."""
-        if event is None:
+    def mark(self, which: str, make_event) -> None:
+        """Timing events (CUDA only): the first start and the latest end of each phase's copies
+        (``make_event()`` records one; called only when needed)."""
+        if which.endswith("start") and which in self._events:
             return
-        if which.endswith("start"):
-            self._events.setdefault(which, event)
-        else:
+        event = make_event()
+        if event is not None:
             self._events[which] = event
 
     def drop(self) -> None:

@@ -133,12 +133,12 @@ class StepSchedule:
         staged = self._stage(bucket, [piece], buffer, 0)
         streams.wait(streams.h2d, streams.event(None))  # the block may be memory backward kernels still use
         streams.wait(streams.h2d, self.last_writeback)  # the host rows the last step is writing back
-        area.mark("upload_start", streams.event(streams.h2d))
+        area.mark("upload_start", lambda: streams.event(streams.h2d))
         moved = self._transfer(bucket, [piece], staged, True, streams)
         if streams.cuda:
             buffer.record_stream(streams.h2d)
         uploaded = streams.event(streams.h2d)
-        area.mark("upload_end", uploaded)
+        area.mark("upload_end", lambda: uploaded)
         area.add(id(param), Staged(buffer, staged[0], uploaded, list(bucket.storages[i]), nbytes), moved)
 
     def index_offloaded(self, buckets) -> None:
@@ -222,7 +222,7 @@ class StepSchedule:
             streams.wait(None, streams.event(streams.h2d))
         self.engine.kernels.launch(bucket.sub(pieces, staged), flags=flags, advance=False)
         streams.wait(streams.d2h, streams.event(None))
-        self.area.mark("writeback_start", streams.event(streams.d2h))
+        self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
         transfers.d2h_bytes += self._transfer(bucket, pieces, staged, False, streams)
         done = streams.event(streams.d2h)
         for start in regions:
@@ -230,7 +230,7 @@ class StepSchedule:
         if prefetched and streams.cuda:  # the area goes back to the allocator once written back
             for entry in taken:
                 entry.buffer.record_stream(streams.d2h)
-        self.area.mark("writeback_end", done)
+        self.area.mark("writeback_end", lambda: done)
         self.last_writeback = done
 
     def _staged_for(self, bucket, i) -> bool:
