@@ -49,7 +49,7 @@ class Engine:
                  initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
                  elementwise: Optional[bool], names: Dict[int, str], fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, staging_bytes: int = 256 * 2**20,
-                 prefetch_during_backward: bool = False):
+                 prefetch_budget="auto"):
         self.inner = inner
         self.policy = policy
         self.state = StateMap()
@@ -62,7 +62,6 @@ class Engine:
         self.seed = seed
         self.elementwise = isinstance(inner, ELEMENTWISE) if elementwise is None else bool(elementwise)
         self.names = names
-        self.prefetch_during_backward = prefetch_during_backward
         self.observe_closure_loss = True
         self.metrics = StepMetrics()
         self.transfers = Transfers()
@@ -71,10 +70,15 @@ class Engine:
         self.tiled = TiledStep(self)
         self.fused = FusedPath(self, fused)
         self.kernels = KernelLauncher(self, stochastic_param_rounding)
-        self.schedule = StepSchedule(self)
+        self.schedule = StepSchedule(self, prefetch_budget)
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
+
+    @property
+    def prefetch_during_backward(self) -> bool:
+        """Whether offloaded state may upload during backward (a prefetch budget other than 0)."""
+        return self.schedule.area.enabled
 
     @property
     def boundary(self):
@@ -141,8 +145,7 @@ class Engine:
             self.schedule.run(buckets)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
         self.step_count += 1
-        self.metrics.h2d_bytes = self.transfers.h2d_bytes
-        self.metrics.d2h_bytes = self.transfers.d2h_bytes
+        self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
 
     def _plan_and_run(self, signature):

@@ -25,7 +25,10 @@ def memory_report(engine, param_groups) -> dict:
     ``training_bytes`` (``params``, ``master_correction``, ``gradients`` held now, and the other
     ``optimizer_state``, each ``{"device": bytes, "host": bytes}``; the correction is also in
     ``state_bytes``) and ``device_bytes_per_param`` (their device total per parameter; with
-    gradients released, call it between backward and ``step`` to see them at zero).
+    gradients released, call it between backward and ``step`` to see them at zero), and
+    ``prefetch`` (:meth:`~optstate_core.prefetch.PrefetchArea.report`: the prefetch area's budget,
+    bytes staged in the last step, bytes moved per phase ``backward``/``step``/``behind_forward``,
+    and on CUDA the spans of the copies that ran beside compute, ``hidden_ms``).
     """
     device_bytes = host_bytes = 0
     by_codec: Dict[str, int] = {}
@@ -71,6 +74,7 @@ def memory_report(engine, param_groups) -> dict:
         "last_step": engine.metrics.as_dict(),
         "training_bytes": training,
         "device_bytes_per_param": (sum(v["device"] for v in training.values()) / n_params) if n_params else 0.0,
+        "prefetch": engine.schedule.area.report(),
     }
 
 

@@ -9,6 +9,7 @@ import torch
 from . import checkpoint, master_weights, metrics
 from .engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
+from .prefetch import AUTO, check_prefetch_budget
 from .release import GradientRelease, check_clip_options, check_release_supported
 from .units import parse_bytes
 
@@ -63,8 +64,15 @@ class VirtualOptimizer(torch.optim.Optimizer):
         offload: keep every state in (pinned) host memory and stream it each step.
         staging_bytes: size of the device ring that offloaded state streams through (default
             256 MB, at most half the budget); a chunk is at most half the ring.
-        prefetch_during_backward: start uploading offloaded state from post-accumulate-grad
-            hooks as gradients become ready, on micro-batches that end in a step.
+        prefetch_budget: device memory that offloaded state may take while it uploads during
+            backward (post-accumulate-grad hooks, on micro-batches that end in a step), so that
+            its update runs at once in ``step()``: ``"auto"`` (default: on CUDA 0.9 of the
+            memory the first measured backward freed, see :mod:`optstate_core.prefetch`; the
+            ring alone until then), a byte count (``"2GB"``), or ``0`` (off: all offloaded state
+            streams through the staging ring in ``step()``). Allocated during backward and
+            handed back after the step's write-backs; not part of ``gpu_budget``.
+        prefetch_during_backward: superseded by ``prefetch_budget`` (kept working): ``False``
+            means ``prefetch_budget=0``, ``True`` keeps the budget (default ``"auto"``).
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
             integration that feeds a better signal (window mean, all-reduced) turns this off.
         release_gradients: on the micro-batch that ends in a step (see :meth:`set_step_boundary`),
@@ -84,7 +92,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
-                 staging_bytes="256MB", prefetch_during_backward: bool = False, release_gradients: bool = False,
+                 staging_bytes="256MB", prefetch_budget="auto", prefetch_during_backward: Optional[bool] = None,
+                 release_gradients: bool = False,
                  max_grad_norm=None, clip_mode: str = "auto"):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
@@ -123,13 +132,22 @@ class VirtualOptimizer(torch.optim.Optimizer):
         staging_bytes = parse_bytes(staging_bytes, "staging_bytes")
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be True or False, got {offload!r}")
-        if not isinstance(prefetch_during_backward, bool):
-            raise ValueError(f"prefetch_during_backward must be True or False, got {prefetch_during_backward!r}")
+        prefetch_budget = check_prefetch_budget(prefetch_budget)
+        if prefetch_during_backward is not None and not isinstance(prefetch_during_backward, bool):
+            raise ValueError(f"prefetch_during_backward must be None, True or False, got {prefetch_during_backward!r}")
+        if prefetch_during_backward is True and prefetch_budget == 0:
+            raise ValueError("prefetch_during_backward=True contradicts prefetch_budget=0")
+        if prefetch_during_backward is False:
+            if prefetch_budget not in (0, AUTO):
+                raise ValueError(f"prefetch_during_backward=False contradicts prefetch_budget={prefetch_budget!r}")
+            prefetch_budget = 0
         if not isinstance(observe_closure_loss, bool):
             raise ValueError(f"observe_closure_loss must be True or False, got {observe_closure_loss!r}")
         if not isinstance(release_gradients, bool):
             raise ValueError(f"release_gradients must be True or False, got {release_gradients!r}")
         max_grad_norm, clip_mode = check_clip_options(max_grad_norm, clip_mode, release_gradients)
+        if release_gradients and prefetch_budget == AUTO and not prefetch_during_backward:
+            prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
         if elementwise is not None and not isinstance(elementwise, bool):
             raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
         if chunk_size is None and chunk_size_on_cuda is not None and any(
@@ -141,7 +159,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                         initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
                         skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names,
                         fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
-                        staging_bytes=staging_bytes, prefetch_during_backward=prefetch_during_backward)
+                        staging_bytes=staging_bytes, prefetch_budget=prefetch_budget)
         engine.placement.offload_all = offload
         engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode)
         if release_gradients:
@@ -158,7 +176,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self.state = engine.state
         optimizer.state = engine.state
         engine.observe_closure_loss = observe_closure_loss
-        if prefetch_during_backward or release_gradients:
+        if release_gradients:  # prefetch hooks are registered when offloaded state is first planned
             engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
@@ -185,6 +203,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.schedule.drop_prefetch()  # a backward without a step: its staged state is not used
         self._engine.inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -192,7 +211,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if engine is None:  # called by Optimizer.__init__ with the inner's groups: shared, not copied
             return
         engine.inner.add_param_group(param_group)
-        if engine.prefetch_during_backward or engine.gradient_release.release:
+        if engine.gradient_release.release:
             engine.schedule.register_hooks(engine.inner.param_groups[-1]["params"])
 
     def state_dict(self) -> dict:
@@ -301,7 +320,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
     def set_step_boundary(self, will_step: bool) -> None:
         """Tell the engine whether the coming backward ends in an optimizer step (the last
         micro-batch of a gradient-accumulation window) or not. Backward-time prefetch of
-        offloaded state only runs before a step. Integrations call this for you."""
+        offloaded state only runs before a step (left at True, every micro-batch's backward
+        may stage state, which then stays on the device until the step). Integrations call this for you."""
         self._engine.boundary.set(bool(will_step))
 
     @property

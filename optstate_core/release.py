@@ -155,7 +155,8 @@ class GradientRelease:
 def check_release_supported(engine, params) -> None:
     """Refuse what gradient release cannot do correctly (clear errors, nothing changed)."""
     if engine.prefetch_during_backward:
-        raise ValueError("release_gradients=True and prefetch_during_backward=True cannot be combined: a released "
+        raise ValueError("release_gradients=True cannot be combined with backward-time prefetch "
+                         "(prefetch_during_backward=True or a prefetch_budget other than 'auto'/0): a released "
                          "parameter is updated in backward already")
     if engine.placement.gpu_budget is not None:
         raise ValueError("release_gradients=True does not support gpu_budget yet (use offload=True or no budget)")

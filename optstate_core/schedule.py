@@ -1,25 +1,34 @@
 """The step schedule: when a training step's bytes move and its updates run, in three phases.
 
 1. **Backward** (post-accumulate-grad hooks, on the micro-batch that ends an accumulation
-   window): as a parameter's gradient becomes final, its offloaded state starts uploading into
-   the staging ring (``prefetch_during_backward``), or the parameter is updated and its
-   gradient freed at once (``release_gradients``, see :mod:`~optstate_core.release`).
-2. **step()**: resident buckets update at once; streamed buckets go through the ring chunk by
-   chunk (upload, fused update, write-back), prefetched ones first.
+   window): as a parameter's gradient becomes final, its offloaded state starts uploading, in
+   gradient-arrival order, into the prefetch area (memory backward has just freed, within a
+   byte budget: :mod:`~optstate_core.prefetch`), or the parameter is updated and its gradient
+   freed at once (``release_gradients``, see :mod:`~optstate_core.release`).
+2. **step()**: resident buckets, then the prefetched parameters of streamed buckets, update at
+   once, each write-back queued right after its update; the rest streams through the staging
+   ring chunk by chunk (upload, fused update, write-back).
 3. **Behind the next forward**: write-backs run on their own stream; the step returns without
-   waiting, and the next step's uploads wait for them on the device (events only).
+   waiting, and the next window's uploads wait for them on the device (events only).
 
-This room owns the copy streams, the staging ring, the events and the hooks. The engine asks it
+This room owns the copy streams, the staging ring, the events and the hooks; the prefetch
+area's bookkeeping (budget, staged copies, counters) is :class:`~optstate_core.prefetch.PrefetchArea`. The engine asks it
 to run a step's buckets; the kernels and codecs know nothing of it. On the CPU the same code runs
 with plain copies and no streams, so the CPU tests exercise the ordering logic too.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Dict, Optional
 
+import torch
+
 from .codecs import EncodedTensor
+from .prefetch import AUTO, PrefetchArea, Staged
 from .transfer import StagingRing, Streams, coalesce_copies
+
+log = logging.getLogger("optstate")
 
 
 class StepBoundary:
@@ -29,32 +38,40 @@ class StepBoundary:
     def __init__(self):
         self.flag = True
         self.source = None
+        self.marked = False  # set() was called: someone tells us where windows end
 
     def set(self, will_step: bool) -> None:
         self.flag = will_step
+        self.marked = True
+
+    @property
+    def known(self) -> bool:
+        """Whether window ends are reported (by set() or a bound source), not assumed."""
+        return self.marked or self.source is not None
 
     @property
     def will_step(self) -> bool:
         return bool(self.source()) if self.source is not None else self.flag
 
     def __getstate__(self):
-        return {"flag": self.flag, "source": None}
+        return {"flag": self.flag, "source": None, "marked": self.marked}
 
 
 class StepSchedule:
     """The timetable of one training step for the engine's fused buckets (see the module doc)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, prefetch_budget=AUTO):
         self.engine = engine
+        self.area = PrefetchArea(prefetch_budget)
         self.boundary = StepBoundary()
         self._streams: Optional[Streams] = None
         self._ring: Optional[StagingRing] = None
         self.last_writeback = None  # event of the last queued write-back
         self.step_writeback = None  # the previous step's last write-back: this step's uploads wait on it
-        self.prefetched: Dict[int, tuple] = {}  # id(param) -> (ring offset, staged state, upload event)
-        self.prefetched_bytes = 0
         self._where: Dict[int, tuple] = {}
         self._hooks = []
+        self._hooked = set()  # ids of parameters with a hook
+        self.unmarked_accumulation = False  # a window of several backwards that nobody marked was seen
         self.release = None  # GradientRelease (release.py) when gradients are released in backward
 
     # -- phase 1: backward ------------------------------------------------------------------------
@@ -68,44 +85,91 @@ class StepSchedule:
                 schedule.gradient_ready(param)
 
         for p in params:
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in self._hooked:
+                self._hooked.add(id(p))
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._hooked.clear()
+
+    @property
+    def prefetched(self) -> dict:
+        """id(param) -> its staged state (:class:`~optstate_core.prefetch.Staged`), this window."""
+        return self.area.entries
 
     def gradient_ready(self, param) -> None:
         """Backward hook body: prefetch offloaded state, or (on the step boundary) release the
         gradient: update the parameter now and free it (:mod:`~optstate_core.release`)."""
-        if self.engine.prefetch_during_backward:
+        if self.area.enabled:
             self.prefetch(param)
         if self.release is not None and self.boundary.will_step:
             self.release(param)
 
     def prefetch(self, param) -> None:
-        """Backward hook: start uploading this parameter's offloaded state (within half the ring)."""
+        """Backward hook: stage this parameter's offloaded state in the prefetch area, if the
+        budget has room (one allocation, made on the compute stream; the upload waits for it and
+        for the previous step's write-backs, on the device)."""
         located = self._where.get(id(param))
-        if located is None or id(param) in self.prefetched or not self.boundary.will_step:
+        if located is None or not self.boundary.will_step:
             return
+        area, device = self.area, param.device
+        if id(param) in area.entries:
+            if not self.boundary.known:  # a second backward before the step, and no boundary marks
+                self._stop_unmarked()
+            return
+        if self.unmarked_accumulation and not self.boundary.known:
+            return
+        area.observe_hook(device)
         bucket, i = located
         piece = (i, 0, bucket.rows[i])
         nbytes = bucket.piece_bytes(piece)
-        device = param.device
-        ring, streams = self.ring(device), self.streams(device)
-        if self.prefetched_bytes + nbytes > ring.size // 2:
+        if not area.admits(nbytes, device):
             return
-        start = ring.reserve(nbytes, streams.h2d)
-        staged = self._stage(bucket, [piece], start)
-        streams.wait(streams.h2d, self.last_writeback)  # during backward: the last step's write-backs
-        self.engine.transfers.h2d_bytes += self._transfer(bucket, [piece], staged, True, streams)
-        self.prefetched[id(param)] = (start, staged[0], streams.event(streams.h2d))
-        self.prefetched_bytes += nbytes
+        streams = self.streams(device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        staged = self._stage(bucket, [piece], buffer, 0)
+        streams.wait(streams.h2d, streams.event(None))  # the block may be memory backward kernels still use
+        streams.wait(streams.h2d, self.last_writeback)  # the host rows the last step is writing back
+        area.mark("upload_start", lambda: streams.event(streams.h2d))
+        moved = self._transfer(bucket, [piece], staged, True, streams)
+        if streams.cuda:
+            buffer.record_stream(streams.h2d)
+        uploaded = streams.event(streams.h2d)
+        area.mark("upload_end", lambda: uploaded)
+        area.add(id(param), Staged(buffer, staged[0], uploaded, list(bucket.storages[i]), nbytes), moved)
 
     def index_offloaded(self, buckets) -> None:
-        """Where each streamed parameter sits in the cached plan (for the prefetch hooks)."""
+        """Where each streamed parameter sits in the cached plan (for the prefetch hooks); the
+        hooks are registered the first time offloaded state is planned."""
         self._where = {id(k): (b, i) for b in buckets if b.plan["offload"] for i, k in enumerate(b.keys)}
+        if self._where and self.area.enabled:
+            self.register_hooks(p for g in self.engine.inner.param_groups for p in g["params"])
+
+    def _stop_unmarked(self) -> None:
+        """Gradient accumulation without boundary marks: staged state would sit on the device
+        through the window's later forwards, so backward-time uploads stop until marks come."""
+        self.area.drop()
+        self.unmarked_accumulation = True
+        log.info("optstate: gradient accumulation without set_step_boundary(): offloaded state now uploads in "
+                 "step() only; mark the last micro-batch of each window (integrations do) to upload it in backward")
+
+    def drop_prefetch(self) -> None:
+        """Discard staged copies (zero_grad without a step, checkpoints, state moves): the host
+        state is the truth and stays unchanged."""
+        if self.area.entries:
+            self.area.drop()
+
+    def end_step(self, metrics, transfers) -> None:
+        """After a step: per-phase byte counts into the metrics; copies not consumed discarded."""
+        device = next(iter(self._where.values()))[0].params[0].device if self._where else None
+        if device is not None:
+            self.area.observe_step(device)
+        backward = self.area.end_step(transfers.h2d_bytes, transfers.d2h_bytes)
+        metrics.h2d_bytes = transfers.h2d_bytes + backward
+        metrics.d2h_bytes = transfers.d2h_bytes
 
     # -- phase 2: step() --------------------------------------------------------------------------
     def run(self, buckets) -> None:
@@ -125,7 +189,7 @@ class StepSchedule:
         work = []
         for b in streamed:
             flags = kernels.new_flags(b)
-            pre = [(i, 0, b.rows[i]) for i, k in enumerate(b.keys) if id(k) in self.prefetched]
+            pre = [(i, 0, b.rows[i]) for i, k in enumerate(b.keys) if self._staged_for(b, i)]
             work.append((b, flags, pre))
         for b, flags, pre in work:
             if pre:
@@ -139,33 +203,46 @@ class StepSchedule:
             kernels.count_skipped(flags)
             b.first = False
             self.engine.metrics.fused_params += len(b.params)
-        self.prefetched_bytes = 0
         ring.head = 0  # the same offsets every step: pointer tables stay cached
 
     def _stream_chunk(self, bucket, flags, pieces, prefetched: bool) -> None:
         device = bucket.params[0].device
         ring, streams, transfers = self.ring(device), self.streams(device), self.engine.transfers
         if prefetched:
-            regions, staged = [], []
-            for i, _, _ in pieces:
-                start, values, ev_up = self.prefetched.pop(id(bucket.keys[i]))
-                streams.wait(None, ev_up)
-                regions.append(start)
-                staged.append(values)
+            regions, taken = [], [self.area.take(id(bucket.keys[i])) for i, _, _ in pieces]
+            for entry in taken:
+                streams.wait(None, entry.uploaded)
+            staged = [entry.values for entry in taken]
         else:
             start = ring.reserve(sum(bucket.piece_bytes(pc) for pc in pieces), streams.h2d)
-            regions, staged = [start], self._stage(bucket, pieces, start)
+            regions, staged = [start], self._stage(bucket, pieces, ring.buffer, start)
             if not bucket.first:
                 streams.wait(streams.h2d, self.step_writeback)
                 transfers.h2d_bytes += self._transfer(bucket, pieces, staged, True, streams)
             streams.wait(None, streams.event(streams.h2d))
         self.engine.kernels.launch(bucket.sub(pieces, staged), flags=flags, advance=False)
         streams.wait(streams.d2h, streams.event(None))
+        self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
         transfers.d2h_bytes += self._transfer(bucket, pieces, staged, False, streams)
         done = streams.event(streams.d2h)
         for start in regions:
             ring.release(start, done)
+        if prefetched and streams.cuda:  # the area goes back to the allocator once written back
+            for entry in taken:
+                entry.buffer.record_stream(streams.d2h)
+        self.area.mark("writeback_end", lambda: done)
         self.last_writeback = done
+
+    def _staged_for(self, bucket, i) -> bool:
+        """Whether parameter ``i`` of ``bucket`` has a staged copy of its current state (a copy
+        of state objects since replaced is discarded)."""
+        entry = self.area.entries.get(id(bucket.keys[i]))
+        if entry is None:
+            return False
+        if not entry.matches(bucket.storages[i]):
+            del self.area.entries[id(bucket.keys[i])]
+            return False
+        return True
 
     # -- phase 3: behind the next forward; streams and the ring ---------------------------------------
     def streams(self, device) -> Streams:
@@ -179,7 +256,9 @@ class StepSchedule:
         return self._ring
 
     def sync(self) -> None:
-        """Wait for queued write-backs (before the host payloads are read, replaced or freed)."""
+        """Wait for queued write-backs (before the host payloads are read, replaced or freed);
+        staged copies are dropped (whoever syncs may change the host state)."""
+        self.drop_prefetch()
         if self.last_writeback is not None:
             self.last_writeback.synchronize()
             self.last_writeback = self.step_writeback = None
@@ -189,11 +268,11 @@ class StepSchedule:
         self.sync()
         self._ring = None
         self._streams = None
-        self.prefetched.clear()
+        self.area.drop()
         self.remove_hooks()
 
-    def _stage(self, bucket, pieces, start):
-        """Device views (in the ring, from ``start``) for the state rows of ``pieces``, laid out
+    def _stage(self, bucket, pieces, buffer, start):
+        """Device views (in ``buffer``, the ring or a prefetch allocation, from ``start``) for the state rows of ``pieces``, laid out
         per (state, payload) in piece order with 16-byte padding, like the host arena, so that
         adjacent host rows map to adjacent ring bytes and copy as one range."""
         staged = [[dict() for _ in bucket.storages[i]] for i, _, _ in pieces]
@@ -203,7 +282,7 @@ class StepSchedule:
                 for (i, r0, r1), views in zip(pieces, staged):
                     rows = bucket.storages[i][k].payload[name][r0:r1]
                     n = rows.numel() * rows.element_size()
-                    views[k][name] = self._ring.view(off, n, rows.dtype, rows.shape)
+                    views[k][name] = buffer[off:off + n].view(rows.dtype).view(rows.shape)
                     off += -(-n // 16) * 16
         return [[EncodedTensor(enc.codec, views[k], (r1 - r0, bucket.cols[i]), enc.dtype)
                  for k, enc in enumerate(bucket.storages[i])] for (i, r0, r1), views in zip(pieces, staged)]
@@ -227,6 +306,6 @@ class StepSchedule:
         """Copies and pickles keep the timetable, not streams, ring, events or hooks (re-made lazily)."""
         self.sync()
         state = dict(self.__dict__)
-        state.update(_streams=None, _ring=None, last_writeback=None, step_writeback=None, prefetched={},
-                     prefetched_bytes=0, _where={}, _hooks=[])
+        state.update(_streams=None, _ring=None, last_writeback=None, step_writeback=None, _where={}, _hooks=[],
+                     _hooked=set())
         return state

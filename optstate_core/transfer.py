@@ -122,9 +122,6 @@ class StagingRing:
                 self.live[i] = (s, e, event, True)
                 return
 
-    def view(self, start: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        return self.buffer[start:start + nbytes].view(dtype).view(shape)
-
 
 def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     """A flat uint8 view of ``nbytes`` bytes of ``t``'s storage from byte offset ``start``."""

@@ -43,11 +43,12 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
         "optstate int8 resident": ours("8bit"),
         "optstate 4bit resident": ours("4bit"),
+        # offloaded rows: state uploads during backward by default (prefetch_budget="auto")
         "optstate int8 offloaded": ours("8bit", offload=True),
-        "optstate int8 offloaded + prefetch": ours("8bit", offload=True, prefetch_during_backward=True),
+        "optstate int8 offloaded, no prefetch": ours("8bit", offload=True, prefetch_budget=0),
         f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB": ours("4bit", gpu_budget=budget),
-        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB + prefetch":
-            ours("4bit", gpu_budget=budget, prefetch_during_backward=True),
+        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB, no prefetch":
+            ours("4bit", gpu_budget=budget, prefetch_budget=0),
     }
     if compare:
         try:
@@ -110,28 +111,38 @@ def run_e2e(args) -> int:
             if opt is not None and hasattr(opt, "close"):
                 opt.close()
             opt = None
-    fwd_bwd = rows[0][1]
+    fwd_bwd, fwd_bwd_peak = rows[0][1], rows[0][2]
     ref = next((r[1] for r in rows if r[0] == "torch AdamW fused"), None)
     print(f"\ntraining step end to end: Llama-shaped {n / 1e9:.3f}B params (hidden {args.hidden}, {args.layers} "
           f"layers, vocab {args.vocab}), batch {args.batch}x{args.seq}, fp32 master weights, bf16 autocast, "
           f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    print("| configuration | step ms | x fused | peak GPU GiB | optimizer GPU MiB between steps | floor ms | x floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("| configuration | step ms | x fused | peak GPU GiB | x fwd+bwd peak | optimizer GPU MiB between steps "
+          "| floor ms | x floor | uploaded in backward MiB | copy ms beside compute |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, ms, peak, held, report, loss in rows:
         if ms is None:
-            print(f"| {label} | failed | | | | | |")
+            print(f"| {label} | failed | | | | | | | | |")
             continue
+        x_peak = f"{peak / fwd_bwd_peak:.2f}" if fwd_bwd_peak else ""
+        staged = hidden = ""
+        if report is not None and report["host_bytes"]:
+            pre = report["prefetch"]
+            staged = f"{pre['bytes_by_phase']['backward'] / 2**20:.0f}"
+            hidden = "" if pre["hidden_ms"] is None else f"{pre['hidden_ms']:.1f}"
         floor = ""
         ratio_floor = ""
         if report is not None and report["host_bytes"]:  # T + max(0, S - B) / bandwidth
             floor_ms = fwd_bwd + report["host_bytes"] / bandwidth * 1e3
             floor, ratio_floor = f"{floor_ms:.1f}", f"{ms / floor_ms:.2f}"
         opt_mib = "" if report is None else f"{report['device_bytes'] / 2**20:.0f}"
-        print(f"| {label} | {ms:.1f} | {ms / ref:.2f} | {peak:.1f} | {opt_mib} | {floor} | {ratio_floor} |"
-              if ref else f"| {label} | {ms:.1f} | | {peak:.1f} | {opt_mib} | {floor} | {ratio_floor} |")
+        x_fused = f"{ms / ref:.2f}" if ref else ""
+        print(f"| {label} | {ms:.1f} | {x_fused} | {peak:.1f} | {x_peak} | {opt_mib} | {floor} | {ratio_floor} "
+              f"| {staged} | {hidden} |")
     print(f"pinned host<->device bandwidth {bandwidth / 1e9:.1f} GB/s; gpu_budget {budget / 2**30:.2f} GiB "
           f"(= {args.budget_fraction:.4f} of fp32 AdamW state); floor = forward+backward alone "
-          f"({fwd_bwd:.1f} ms) + host-resident encoded state / that bandwidth (uploads and write-backs overlap)")
+          f"({fwd_bwd:.1f} ms) + host-resident encoded state / that bandwidth (uploads and write-backs overlap); "
+          f"x fwd+bwd peak: peak GPU memory over the forward+backward-only run's; copy ms beside compute: spans "
+          f"of the last step's uploads during backward and of its write-backs (memory_report()['prefetch'])")
     return 0
 
 
