@@ -1,0 +1,82 @@
+"""Diagnose backward-time prefetch on one GPU: per-step-synchronized vs back-to-back step times of
+the 0.95B e2e model for fused AdamW and int8 offloaded with and without prefetch, then a
+torch.profiler summary of two prefetching steps: python tools/prefetch_diag.py [--out DIR]."""
+import argparse
+import os
+import time
+
+import torch
+
+from optstate_core.apps.e2e import build_model
+from optstate_core.presets import make_policy, wrap
+
+
+def train_step(model, tokens, opt):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    if opt is not None:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+
+
+def timings(model, tokens, opt, warmup=5, steps=8):
+    """(median ms with a sync after every step, mean ms of back-to-back steps synced at the ends)."""
+    for _ in range(warmup):
+        train_step(model, tokens, opt)
+    synced = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        train_step(model, tokens, opt)
+        torch.cuda.synchronize()
+        synced.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, tokens, opt)
+    torch.cuda.synchronize()
+    return sorted(synced)[steps // 2], (time.perf_counter() - t) * 1e3 / steps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = build_model(2048, 16, 32000, 5632, "cuda")
+    params = list(model.parameters())
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.randint(0, 32000, (8, 512), device="cuda")
+    configs = {
+        "forward+backward only": lambda: None,
+        "torch AdamW fused": lambda: torch.optim.AdamW(params, fused=True),
+        "int8 offloaded, prefetch auto": lambda: wrap(torch.optim.AdamW(params, fused=True), make_policy("8bit"),
+                                                      offload=True),
+        "int8 offloaded, no prefetch": lambda: wrap(torch.optim.AdamW(params, fused=True), make_policy("8bit"),
+                                                    offload=True, prefetch_budget=0),
+    }
+    print("| configuration | ms, synced every step | ms, back to back |\n|---|---:|---:|")
+    keep = None
+    for label, build in configs.items():
+        model.load_state_dict(initial)
+        opt = build()
+        synced, b2b = timings(model, tokens, opt)
+        print(f"| {label} | {synced:.1f} | {b2b:.1f} |", flush=True)
+        if "prefetch auto" in label:
+            keep = opt
+            print("memory_report prefetch:", opt.memory_report()["prefetch"], flush=True)
+        elif opt is not None and hasattr(opt, "close"):
+            opt.close()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            train_step(model, tokens, keep)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+    prof.export_chrome_trace(os.path.join(args.out, "prefetch_trace.json"))
+
+
+if __name__ == "__main__":
+    main()
