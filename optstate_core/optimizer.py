@@ -66,13 +66,15 @@ class VirtualOptimizer(torch.optim.Optimizer):
             256 MB, at most half the budget); a chunk is at most half the ring.
         prefetch_budget: device memory that offloaded state may take while it uploads during
             backward (post-accumulate-grad hooks, on micro-batches that end in a step), so that
-            its update runs at once in ``step()``: ``"auto"`` (default: on CUDA 0.9 of the
-            memory the first measured backward freed, see :mod:`optstate_core.prefetch`; the
-            ring alone until then), a byte count (``"2GB"``), or ``0`` (off: all offloaded state
-            streams through the staging ring in ``step()``). Allocated during backward and
+            its update runs at once in ``step()``: ``"auto"`` (on CUDA 0.9 of the memory the
+            first measured backward freed, see :mod:`optstate_core.prefetch`; the ring alone
+            until then), a byte count (``"2GB"``), or ``0`` (off: all offloaded state streams
+            through the staging ring in ``step()``). Default ``None``: off, or ``"auto"`` with
+            ``prefetch_during_backward=True`` (measured slower than off on an H100 so far:
+            BENCHMARKS.md section 10). Allocated during backward and
             handed back after the step's write-backs; not part of ``gpu_budget``.
         prefetch_during_backward: superseded by ``prefetch_budget`` (kept working): ``False``
-            means ``prefetch_budget=0``, ``True`` keeps the budget (default ``"auto"``).
+            means ``prefetch_budget=0``, ``True`` turns it on (``"auto"`` unless a budget is given).
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
             integration that feeds a better signal (window mean, all-reduced) turns this off.
         release_gradients: on the micro-batch that ends in a step (see :meth:`set_step_boundary`),
@@ -92,7 +94,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
-                 staging_bytes="256MB", prefetch_budget="auto", prefetch_during_backward: Optional[bool] = None,
+                 staging_bytes="256MB", prefetch_budget=None, prefetch_during_backward: Optional[bool] = None,
                  release_gradients: bool = False,
                  max_grad_norm=None, clip_mode: str = "auto"):
         if isinstance(optimizer, VirtualOptimizer):
@@ -132,7 +134,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
         staging_bytes = parse_bytes(staging_bytes, "staging_bytes")
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be True or False, got {offload!r}")
-        prefetch_budget = check_prefetch_budget(prefetch_budget)
+        if prefetch_budget is None:  # off by default: on an H100 it still costs more host time than it hides
+            prefetch_budget = AUTO if prefetch_during_backward else 0
+        else:
+            prefetch_budget = check_prefetch_budget(prefetch_budget)
         if prefetch_during_backward is not None and not isinstance(prefetch_during_backward, bool):
             raise ValueError(f"prefetch_during_backward must be None, True or False, got {prefetch_during_backward!r}")
         if prefetch_during_backward is True and prefetch_budget == 0:

@@ -12,7 +12,8 @@ The **budget** bounds the bytes staged at once:
 
 * an int (bytes, or a string such as ``"2GB"``): at most that many;
 * ``0``: no backward-time uploads (everything streams through the staging ring in ``step()``);
-* ``"auto"`` (default): on CUDA, measured on the first boundary backward that runs with
+* ``"auto"`` (the optimizer's default is off, ``prefetch_budget=None``): on CUDA, measured on
+  the first boundary backward that runs with
   offloaded state: :data:`AUTO_FRACTION` of the memory backward frees, i.e. the allocated bytes
   at its first gradient hook (activations still alive, about the forward peak) minus those at the
   end of ``step()`` (gradients alive, activations gone). Staged state then takes memory the activations have left, so

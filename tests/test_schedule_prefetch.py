@@ -7,12 +7,18 @@ model with resident state and compares parameters and every state payload bit fo
 each step. The fused kernels run under TRITON_INTERPRET=1 (conftest), on small tensors.
 """
 import io
+import os
 
 import pytest
 import torch
 
 import optstate_core as oc
 from helpers import flat_params
+
+# CPU tensors reach the fused kernels (and so the schedule) only under TRITON_INTERPRET; on a GPU
+# machine tests/gpu/test_prefetch_cuda.py runs the same path on CUDA.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tensors take the fused path only under TRITON_INTERPRET")
 
 STEPS = 20
 
@@ -65,6 +71,7 @@ def assert_same_state(opt, ref):
 def twins(**options):
     model, twin = make_model(), make_model()
     twin.load_state_dict(model.state_dict())
+    options.setdefault("prefetch_budget", "auto")
     return model, make_opt(model, offload=True, **options), twin, make_opt(twin)
 
 
@@ -207,7 +214,7 @@ def test_checkpoint_with_staged_state_resumes_exactly(when):
     model2 = make_model(seed=1)
     model_sd, opt_sd = saved
     model2.load_state_dict(model_sd)
-    opt2 = make_opt(model2, offload=True)
+    opt2 = make_opt(model2, offload=True, prefetch_budget="auto")
     opt2.load_state_dict(opt_sd)
     for step in range(save_at, 8):
         for micro in range(2):
@@ -250,7 +257,9 @@ def test_offload_reload_and_state_reads_with_staged_state():
 
 def test_prefetch_budget_option():
     model = make_model()
-    assert make_opt(model, offload=True)._engine.schedule.area.budget == "auto"
+    assert make_opt(model, offload=True)._engine.schedule.area.budget == 0  # off by default
+    assert make_opt(model, offload=True, prefetch_during_backward=True)._engine.schedule.area.budget == "auto"
+    assert make_opt(model, offload=True, prefetch_budget="auto")._engine.schedule.area.budget == "auto"
     assert make_opt(model, offload=True, prefetch_budget="1MB")._engine.schedule.area.budget == 10**6
     assert make_opt(model, offload=True, prefetch_budget=0)._engine.schedule.area.budget == 0
     assert make_opt(model, offload=True, prefetch_during_backward=False)._engine.schedule.area.budget == 0
@@ -285,15 +294,15 @@ def test_prefetch_off_streams_in_step():
     assert_same_state(opt, ref)
 
 
-def test_e2e_bench_offloaded_rows_prefetch_by_default():
+def test_e2e_bench_has_offloaded_rows_with_and_without_prefetch():
     from optstate_core.apps.e2e import e2e_configs
 
     configs, _ = e2e_configs(10**6, compare=False, budget_fraction=1 / 16)
     ps = [torch.nn.Parameter(torch.zeros(8, 256))]
     offloaded = {label: build(ps)._engine.schedule.area.enabled
                  for label, build in configs.items() if build is not None and ("offloaded" in label or "budget" in label)}
-    assert offloaded and all(enabled == ("no prefetch" not in label) for label, enabled in offloaded.items())
-    assert any("no prefetch" in label for label in offloaded)
+    assert offloaded and all(enabled == ("prefetch auto" in label) for label, enabled in offloaded.items())
+    assert any("prefetch auto" in label for label in offloaded) and not all(offloaded.values())
 
 
 def test_unmarked_accumulation_stops_backward_uploads():
