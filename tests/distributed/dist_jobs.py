@@ -64,20 +64,42 @@ def finish():
     os._exit(0)
 
 
-def fsdp_job(rank, world, tmp):
+def shard_layers(model):
+    """FSDP2 over each Linear, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def dcp_round_trip(model, opt, sharded, train_more, ckpt, out):
+    """Save model+optimizer with DCP, train on (``out["expected"]``), load into fresh ``sharded()``
+    objects (``out["resumed_step_count"]``) and train the same steps (``out["resumed"]``)."""
     from torch.distributed.checkpoint import load, save
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-    from torch.distributed.fsdp import fully_shard
 
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    train_more(model, opt)
+    out["expected"] = [full(p.detach()).float().clone() for p in model.parameters()]
+    model2, opt2 = sharded()
+    sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model2, sd["model"])
+    set_optimizer_state_dict(model2, opt2, sd["optim"])
+    out["resumed_step_count"] = opt2.step_count
+    train_more(model2, opt2)
+    out["resumed"] = [full(p.detach()).float().clone() for p in model2.parameters()]
+
+
+def fsdp_job(rank, world, tmp):
     init(rank, world, tmp)
 
     def sharded():
-        model = build_model()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+        model = shard_layers(build_model())
         return model, make_optimizer(model)
 
     model, opt = sharded()
@@ -101,18 +123,7 @@ def fsdp_job(rank, world, tmp):
     out["nonfinite_skipped"] = opt.memory_report()["nonfinite_skipped"]
 
     # DCP round trip: save, continue 2 steps; reload into fresh objects and redo the 2 steps
-    ckpt = f"{tmp}/dcp"
-    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
-    train(model, opt, 2, rank, world, first=4)
-    out["expected"] = [full(p.detach()).clone() for p in model.parameters()]
-    model2, opt2 = sharded()
-    sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
-    load(sd, checkpoint_id=ckpt)
-    set_model_state_dict(model2, sd["model"])
-    set_optimizer_state_dict(model2, opt2, sd["optim"])
-    out["resumed_step_count"] = opt2.step_count
-    train(model2, opt2, 2, rank, world, first=4)
-    out["resumed"] = [full(p.detach()).clone() for p in model2.parameters()]
+    dcp_round_trip(model, opt, sharded, lambda m, o: train(m, o, 2, rank, world, first=4), f"{tmp}/dcp", out)
     if rank == 0:
         torch.save(out, f"{tmp}/fsdp_result.pt")
     finish()
@@ -155,21 +166,12 @@ def train_bf16(model, opt, steps, rank=0, world=1, first=0):
 
 def fsdp_master_job(rank, world, tmp):
     """FSDP2 over bf16 parameters whose masters are optimizer state (sharded like the moments)."""
-    from torch.distributed.checkpoint import load, save
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-    from torch.distributed.fsdp import fully_shard
-
     from optstate_core.master_weights import MASTER_KEY
 
     init(rank, world, tmp)
 
     def sharded():
-        model = master_model()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+        model = shard_layers(master_model())
         return model, master_optimizer(model)
 
     model, opt = sharded()
@@ -178,17 +180,8 @@ def fsdp_master_job(rank, world, tmp):
            "masters": [full(m).clone() for m in oc.master_state_dict(model, opt).values()],
            "has_correction": [MASTER_KEY in opt.state[p] for p in model.parameters()],
            "local_state_bytes": opt.memory_report()["state_bytes"]}
-    ckpt = f"{tmp}/dcp_master"
-    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
-    train_bf16(model, opt, 2, rank, world, first=3)
-    out["expected"] = [full(p.detach()).float().clone() for p in model.parameters()]
-    model2, opt2 = sharded()
-    sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
-    load(sd, checkpoint_id=ckpt)
-    set_model_state_dict(model2, sd["model"])
-    set_optimizer_state_dict(model2, opt2, sd["optim"])
-    train_bf16(model2, opt2, 2, rank, world, first=3)
-    out["resumed"] = [full(p.detach()).float().clone() for p in model2.parameters()]
+    dcp_round_trip(model, opt, sharded, lambda m, o: train_bf16(m, o, 2, rank, world, first=3), f"{tmp}/dcp_master",
+                   out)
     if rank == 0:
         torch.save(out, f"{tmp}/fsdp_master_result.pt")
     finish()
