@@ -134,7 +134,7 @@ class StepSchedule:
         streams.wait(streams.h2d, streams.event(None))  # the block may be memory backward kernels still use
         streams.wait(streams.h2d, self.last_writeback)  # the host rows the last step is writing back
         area.mark("upload_start", lambda: streams.event(streams.h2d))
-        moved = self._transfer(bucket, [piece], staged, True, streams)
+        moved = self._transfer(bucket, [piece], staged, True, streams, coalesce=False)
         if streams.cuda:
             buffer.record_stream(streams.h2d)
         uploaded = streams.event(streams.h2d)
@@ -223,7 +223,7 @@ class StepSchedule:
         self.engine.kernels.launch(bucket.sub(pieces, staged), flags=flags, advance=False)
         streams.wait(streams.d2h, streams.event(None))
         self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
-        transfers.d2h_bytes += self._transfer(bucket, pieces, staged, False, streams)
+        transfers.d2h_bytes += self._transfer(bucket, pieces, staged, False, streams, coalesce=not prefetched)
         done = streams.event(streams.d2h)
         for start in regions:
             ring.release(start, done)
@@ -287,20 +287,25 @@ class StepSchedule:
         return [[EncodedTensor(enc.codec, views[k], (r1 - r0, bucket.cols[i]), enc.dtype)
                  for k, enc in enumerate(bucket.storages[i])] for (i, r0, r1), views in zip(pieces, staged)]
 
-    def _transfer(self, bucket, pieces, staged, upload: bool, streams) -> int:
+    def _transfer(self, bucket, pieces, staged, upload: bool, streams, coalesce: bool = True) -> int:
         """Copy the state rows of ``pieces`` between host memory and their staged views, one copy
-        per run of adjacent rows (the host arena and the ring share one layout)."""
+        per run of adjacent rows (the host arena and the ring share one layout; ``coalesce=False``
+        for staged copies in separate allocations, which never adjoin), issued in one foreach call."""
         pairs = []  # (host tensor, ring tensor) per piece, state and payload, in ring order
         for k, enc0 in enumerate(bucket.storages[pieces[0][0]]):
             for name in enc0.payload:
                 for (i, r0, r1), values in zip(pieces, staged):
                     pairs.append((bucket.storages[i][k].payload[name][r0:r1], values[k].payload[name]))
-        moved = 0
+        pairs = coalesce_copies(pairs) if coalesce else [(h, r) for h, r in pairs if h.numel()]
+        if not pairs:
+            return 0
+        hosts, rings = [h for h, _ in pairs], [r for _, r in pairs]
         with streams.on(streams.h2d if upload else streams.d2h):
-            for host, ring in coalesce_copies(pairs):
-                (ring.copy_(host, non_blocking=True) if upload else host.copy_(ring, non_blocking=True))
-                moved += host.numel()
-        return moved
+            if upload:
+                torch._foreach_copy_(rings, hosts, non_blocking=True)
+            else:
+                torch._foreach_copy_(hosts, rings, non_blocking=True)
+        return sum(h.numel() * h.element_size() for h in hosts)
 
     def __getstate__(self):
         """Copies and pickles keep the timetable, not streams, ring, events or hooks (re-made lazily)."""
