@@ -290,7 +290,7 @@ class StepSchedule:
     def _transfer(self, bucket, pieces, staged, upload: bool, streams, coalesce: bool = True) -> int:
         """Copy the state rows of ``pieces`` between host memory and their staged views, one copy
         per run of adjacent rows (the host arena and the ring share one layout; ``coalesce=False``
-        for staged copies in separate allocations, which never adjoin), issued in one foreach call."""
+        for staged copies in separate allocations, which never adjoin: those go in one foreach call)."""
         pairs = []  # (host tensor, ring tensor) per piece, state and payload, in ring order
         for k, enc0 in enumerate(bucket.storages[pieces[0][0]]):
             for name in enc0.payload:
@@ -301,10 +301,11 @@ class StepSchedule:
             return 0
         hosts, rings = [h for h, _ in pairs], [r for _, r in pairs]
         with streams.on(streams.h2d if upload else streams.d2h):
-            if upload:
-                torch._foreach_copy_(rings, hosts, non_blocking=True)
-            else:
-                torch._foreach_copy_(hosts, rings, non_blocking=True)
+            if coalesce:  # a few byte ranges: one copy each (the path measured on GPUs)
+                for host, ring in pairs:
+                    (ring.copy_(host, non_blocking=True) if upload else host.copy_(ring, non_blocking=True))
+            else:  # many small payload copies (staged copies): one call instead of a Python loop
+                torch._foreach_copy_(*((rings, hosts) if upload else (hosts, rings)), non_blocking=True)
         return sum(h.numel() * h.element_size() for h in hosts)
 
     def __getstate__(self):
