@@ -124,18 +124,12 @@ class GradientRelease:
     def before_step(self, params) -> None:
         """In ``step()``, before the update of the gradients still present: global clipping, or
         the release modes' rule for gradients that were not released."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if not self.release:
-            if self.max_grad_norm is not None and grads:
-                if self.clip_mode == "global":
-                    self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
-                                                                         self.max_grad_norm, foreach=None)
-                    return
-            for g in grads:
-                self._clip_one(g)
+        with_grad = [p for p in params if p.grad is not None]
+        if not self.release and self.max_grad_norm is not None and self.clip_mode == "global" and with_grad:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm, foreach=None)
             return
-        for g in grads:
-            self._clip_one(g)
+        for p in with_grad:
+            self._clip_one(p.grad)
 
     def norm_so_far(self) -> Optional[torch.Tensor]:
         """This step's global gradient norm over the gradients seen so far (pre-clip), else the

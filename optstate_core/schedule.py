@@ -189,7 +189,8 @@ class StepSchedule:
         work = []
         for b in streamed:
             flags = kernels.new_flags(b)
-            pre = [(i, 0, b.rows[i]) for i, k in enumerate(b.keys) if self._staged_for(b, i)]
+            pre = [(i, 0, b.rows[i]) for i in range(len(b.keys)) if self._staged_for(b, i)] \
+                if self.area.entries else []  # nothing staged (prefetch off): no per-parameter lookups
             work.append((b, flags, pre))
         for b, flags, pre in work:
             if pre:
