@@ -98,15 +98,16 @@ def saved_groups_meta(state_dict):
     return groups[0].get(META_KEY) if groups and isinstance(groups[0], dict) else None
 
 
-def _cast_like_torch(param: torch.Tensor, key, value, group: dict):
-    """torch.optim.Optimizer.load_state_dict's casting of one raw state value."""
+def _cast_like_torch(param: torch.Tensor, key, value, group: dict, keep_dtype: bool = False):
+    """torch.optim.Optimizer.load_state_dict's casting of one raw state value; ``keep_dtype``:
+    moved to the parameter's device only (state kept in the master's fp32 on purpose)."""
     if not isinstance(value, torch.Tensor):
         return value
     if key == "step":
         if group.get("capturable", False) or group.get("fused", False):
             return value.to(dtype=torch.float32, device=param.device)
         return value
-    if param.is_floating_point():
+    if param.is_floating_point() and not keep_dtype:
         return value.to(dtype=param.dtype, device=param.device)
     return value.to(device=param.device)
 
@@ -212,11 +213,12 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         if not isinstance(entry, dict):
             raise ValueError(f"state_dict: state of {what} must be a dict")
         st = ParamState()
+        masters = MASTER_KEY in entry  # a parameter with master weights keeps its state in fp32
         for key, value in entry.items():
             value = unpack_value(value, what, param)
             _check_entry(param, key, value, what, engine.elementwise)
             if isinstance(value, EncodedTensor) and value.dtype != param.dtype and param.is_floating_point() \
-                    and not is_dtensor(param) and not _fused_fp32_state(value, param) and MASTER_KEY not in entry:
+                    and not is_dtensor(param) and not _fused_fp32_state(value, param) and not masters:
                 # saved for a parameter of another float dtype: like torch, state follows the
                 # parameter's dtype (decoded here, re-encoded by conform() below); a parameter with
                 # master weights keeps its state in the master's fp32 on purpose
@@ -224,10 +226,8 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
             if isinstance(value, EncodedTensor):
                 target = torch.device("cpu") if value.host_tier else param.device
                 encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value))
-            elif MASTER_KEY in entry and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-                value = value.to(param.device)  # state of a parameter with master weights stays fp32
             else:
-                value = _cast_like_torch(param, key, value, group_of[saved_id])
+                value = _cast_like_torch(param, key, value, group_of[saved_id], keep_dtype=masters)
             st[key] = value
         new_state[param] = st
         keys_by_group.setdefault(group_index[saved_id], []).append((what, set(entry)))
