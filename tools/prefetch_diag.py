@@ -7,17 +7,8 @@ import time
 
 import torch
 
-from optstate_core.apps.e2e import build_model
+from optstate_core.apps.e2e import build_model, train_step
 from optstate_core.presets import make_policy, wrap
-
-
-def train_step(model, tokens, opt):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    if opt is not None:
-        opt.step()
-    model.zero_grad(set_to_none=True)
 
 
 def timings(model, tokens, opt, warmup=5, steps=8):

@@ -29,6 +29,17 @@ def build_model(hidden: int, layers: int, vocab: int, ffn: int, device):
     return model.float().train()
 
 
+def train_step(model, tokens, opt):
+    """One training step (bf16 autocast forward, backward, ``opt.step()`` unless None); the loss."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    if opt is not None:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
 def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
     from ..presets import make_policy, wrap
 
@@ -90,12 +101,7 @@ def run_e2e(args) -> int:
                 if i == args.warmup:
                     torch.cuda.reset_peak_memory_stats(device)
                 t = time.perf_counter()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(input_ids=tokens, labels=tokens).loss
-                loss.backward()
-                if opt is not None:
-                    opt.step()
-                model.zero_grad(set_to_none=True)
+                loss = train_step(model, tokens, opt)
                 torch.cuda.synchronize()
                 if i >= args.warmup:
                     times.append((time.perf_counter() - t) * 1e3)
