@@ -13,7 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate_testlib import fresh_accelerate, reset_accelerate  # noqa: E402,F401
 from accelerate.tracking import GeneralTracker  # noqa: E402
 
 import optstate_accelerate as osa  # noqa: E402
@@ -21,21 +21,6 @@ import optstate_core as oc  # noqa: E402
 from helpers import batch, flat_params, mlp  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate():
-    """AcceleratorState, PartialState and GradientState are process-wide singletons."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def reset_accelerate():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def int8_policy(preset="8bit"):

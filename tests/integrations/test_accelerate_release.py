@@ -7,25 +7,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate_testlib import fresh_accelerate, reset_accelerate  # noqa: E402,F401
 
 import optstate_accelerate as osa  # noqa: E402
 import optstate_core as oc  # noqa: E402
 from helpers import batch, flat_params, mlp  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
 
 def _run(release: bool, clip_calls: bool, micro_batches: int = 6):
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = mlp(0)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), oc.make_policy("8bit", min_int8_elements=256),
