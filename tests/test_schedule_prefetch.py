@@ -68,6 +68,13 @@ def assert_same_state(opt, ref):
                 assert torch.equal(torch.as_tensor(x), torch.as_tensor(y)), key
 
 
+def step_pair(opt, ref):
+    """The scheduled optimizer and its resident twin step and clear their gradients."""
+    for o in (opt, ref):
+        o.step()
+        o.zero_grad()
+
+
 def twins(**options):
     model, twin = make_model(), make_model()
     twin.load_state_dict(model.state_dict())
@@ -100,10 +107,7 @@ def test_scheduled_matches_resident_with_accumulation_and_clipping(budget):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
             torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
         staged_steps += bool(opt._engine.schedule.prefetched)
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
         assert torch.equal(flat_params(model), flat_params(twin)), step
         assert_same_state(opt, ref)
         moved = opt.last_step_timings
@@ -144,10 +148,7 @@ def test_nan_gradient_step_discards_staged_update():
                 m.w1.grad[0, 0] = float("nan")
                 m.w2.grad[5, 7] = float("inf")
         assert step < 2 or opt._engine.schedule.prefetched
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
         assert torch.equal(flat_params(model), flat_params(twin)), step
         assert_same_state(opt, ref)
     assert opt._engine.nonfinite_skipped() == ref._engine.nonfinite_skipped() == 4
@@ -164,10 +165,7 @@ def test_zero_grad_or_skipped_step_drops_staged_state():
             ref.zero_grad()
             assert not opt._engine.schedule.prefetched
             continue
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
     assert torch.equal(flat_params(model), flat_params(twin))
     assert_same_state(opt, ref)
 
@@ -204,10 +202,7 @@ def test_checkpoint_with_staged_state_resumes_exactly(when):
             if step == save_at and micro == (1 if when == "after_backward" else 0):
                 assert bool(opt._engine.schedule.prefetched) == (when == "after_backward")
                 saved = _save(model, opt)  # staged but not stepped, or in the middle of the window
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
     assert torch.equal(flat_params(model), flat_params(twin))
     assert_same_state(opt, ref)
 
@@ -247,10 +242,7 @@ def test_offload_reload_and_state_reads_with_staged_state():
         if step == 4:
             opt.offload()  # already offloaded: idempotent, drops the staged copies
             assert not opt._engine.schedule.prefetched
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
     assert torch.equal(flat_params(model), flat_params(twin))
     assert_same_state(opt, ref)
 
@@ -283,10 +275,7 @@ def test_prefetch_off_streams_in_step():
         backward(model, batch(step))
         backward(twin, batch(step))
         assert not opt._engine.schedule.prefetched
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
     phases = phase_bytes(opt)
     assert phases["backward"] == 0 and phases["step"] > 0
     assert not opt._engine.schedule._hooks
@@ -316,10 +305,7 @@ def test_unmarked_accumulation_stops_backward_uploads():
             backward(twin, batch(step, micro))
             if step >= 2:
                 assert bool(schedule.prefetched) == (step == 2 and micro == 0)
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        step_pair(opt, ref)
     assert schedule.unmarked_accumulation and phase_bytes(opt)["backward"] == 0
     opt.set_step_boundary(True)  # marks arrive: uploads in backward again
     backward(model, batch(9))
