@@ -13,7 +13,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 import triton
 import triton.language as tl
 
-from .codec_ops import bf16_grid, load_state, mix32, store_state
+from .codec_ops import INT8, bf16_grid, int8_block_max_bits, load_state, mix32, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
@@ -207,17 +207,31 @@ def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr,
         # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32), compared as bits of |g| (inf and
         # NaN lie above it), so the per-block test is an integer maximum
         gmax = tl.max(tl.max(g.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=0)
-        bad = (gmax >= 0x5F800000).to(tl.int32)
-        row_ok = bad == 0
-        tl.atomic_max(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)  # per block: no cross-warp step
-        if FIRST:
-            out = row_ok, mask, pmask, s8, s4mask
-        else:
-            out = (row_ok, mask & per_block(row_ok), pmask & per_block(row_ok), tl.where(row_ok, s8, -1),
-                   s4mask & row_ok[None, :])
+        out = skip_masks(gmax < 0x5F800000, mask, pmask, s8, s4mask, FLAGS, t, FIRST)
     else:
         out = tl.full(s8.shape, 1, tl.int1), mask, pmask, s8, s4mask
     return out
+
+
+@triton.jit
+def skip_masks(row_ok, mask, pmask, s8, s4mask, FLAGS, t, FIRST: tl.constexpr):
+    """``block_skip``'s outputs for a given per-block verdict ``row_ok`` [NBLK]; raises ``FLAGS[t]``."""
+    bad = (row_ok == 0).to(tl.int32)
+    # every writer stores the same 1: a plain store (an atomic would fence the whole program)
+    tl.store(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)
+    if FIRST:
+        out = row_ok, mask, pmask, s8, s4mask
+    else:
+        out = (row_ok, mask & per_block(row_ok), pmask & per_block(row_ok), tl.where(row_ok, s8, -1),
+               s4mask & row_ok[None, :])
+    return out
+
+
+@triton.jit
+def overflow_to_inf(v, g):
+    """``v`` with +inf where |g| >= 2**64 (NaN stays NaN): a block's verdict then rides on the
+    int8 second moment's own block maximum (inf and NaN bits lie above every finite value)."""
+    return tl.where((g.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x5F800000, float("inf"), v)
 
 
 @triton.jit
@@ -277,6 +291,11 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, step_mix, BASE,
                            V_POW)
         m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
         v = v * beta2 + (one_minus_beta2 * g) * g
+        # the NaN/inf verdict of a block, folded into the int8 second moment's block maximum (one
+        # block reduction fewer, g_in dies here): decoupled decay (|g| = |g_in|), not a first step
+        FOLD: tl.constexpr = CHECK_FINITE and DECOUPLED and not FIRST and not AMSGRAD and V_KIND == INT8
+        if FOLD:
+            v = overflow_to_inf(v, g_in)
         if AMSGRAD:
             if FIRST:
                 vmax = v
@@ -296,8 +315,14 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, step_mix, BASE,
 
         # per-block NaN/inf skip, decided after every load is issued: a block whose gradient is
         # not finite writes nothing (first step: its state is written as the initial zeros)
-        row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
-                                                             CHECK_FINITE, FIRST)
+        if FOLD:
+            v_max = int8_block_max_bits(v, mask, True, ALIGNED)
+            row_ok, p_mask, pmask_w, s8_w, s4mask_w = skip_masks(v_max < 0x7F800000, mask, pmask, s8, s4mask,
+                                                                 FLAGS, t, FIRST)
+        else:
+            v_max = 0
+            row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
+                                                                 CHECK_FINITE, FIRST)
         if CHECK_FINITE and FIRST:  # a skipped block keeps the initial (zero) state
             m = tl.where(per_block(row_ok), m, 0.0)
             v = tl.where(per_block(row_ok), v, 0.0)
@@ -309,7 +334,8 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, step_mix, BASE,
         store_state(m, m_addr, ms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, m_key, sr_idx, m_levels,
                     m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK, M_INV_POW, M_POW, CHECK_FINITE and DECOUPLED, ALIGNED)
         store_state(v, v_addr, vs_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, v_key, sr_idx, v_levels,
-                    v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW, CHECK_FINITE and DECOUPLED, ALIGNED)
+                    v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW, CHECK_FINITE and DECOUPLED, ALIGNED,
+                    v_max, FOLD)
         if AMSGRAD:
             store_state(vmax, vm_addr, vms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w, vm_key, sr_idx,
                         v_levels, v_mids, V_KIND, False, V_SR, V_LEVELS, NBLK, V_INV_POW, V_POW,

@@ -103,6 +103,12 @@ def finite_abs_bits(x, mask, FINITE: tl.constexpr = False, WHOLE: tl.constexpr =
 
 
 @triton.jit
+def int8_block_max_bits(x, mask, FINITE: tl.constexpr = False, WHOLE: tl.constexpr = False):
+    """[NBLK] bits of each 256-element block's largest |x| (``finite_abs_bits``'s elements)."""
+    return tl.max(tl.max(finite_abs_bits(x, mask, FINITE, WHOLE), axis=2), axis=0)
+
+
+@triton.jit
 def pow2_exponent(absmax):
     """e with absmax / 2**e in [0.5, 1), clamped to [-125, 126] (codecs/blocks.py pow2_scale)."""
     bits = absmax.to(tl.int32, bitcast=True)
@@ -349,18 +355,23 @@ def load_state(data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, l
 def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mask, key, sr_idx, levels_ptr, mids_ptr,
                 KIND: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr, N_LEVELS: tl.constexpr,
                 NBLK: tl.constexpr, INV_POW: tl.constexpr = 0.5, POW: tl.constexpr = 0,
-                FINITE: tl.constexpr = False, WHOLE: tl.constexpr = False):
+                FINITE: tl.constexpr = False, WHOLE: tl.constexpr = False, absmax_bits=0,
+                HAVE_ABSMAX: tl.constexpr = False):
     """Encode a [2, NBLK, 128] tile (masked elements ignored) and store codes and scales.
     ``sr_idx``: the elements' indices in the whole tensor (the stochastic rounding counters).
     FINITE: every value of a block that is stored is finite (and non-negative for an unsigned
     codec); WHOLE: ``mask`` is constant over each 256-element block. Both only drop tests whose
-    outcome is then known: the stored codes and scales are the same."""
+    outcome is then known: the stored codes and scales are the same. HAVE_ABSMAX (int8): the
+    caller already took the blocks' maxima, ``absmax_bits`` [NBLK] = ``int8_block_max_bits``."""
     if KIND == FP32:
         tl.store(aligned(data_addr, tl.float32) + elem, x, mask=mask)
     elif KIND == BF16:
         tl.store(aligned(data_addr, tl.bfloat16) + elem, bf16_grid(x, key, sr_idx, SR).to(tl.bfloat16), mask=mask)
     elif KIND == INT8:
-        absmax = tl.max(tl.max(finite_abs_bits(x, mask, FINITE, WHOLE), axis=2), axis=0).to(tl.float32, bitcast=True)
+        if HAVE_ABSMAX:
+            absmax = absmax_bits.to(tl.float32, bitcast=True)
+        else:
+            absmax = int8_block_max_bits(x, mask, FINITE, WHOLE).to(tl.float32, bitcast=True)
         e = pow2_exponent(absmax)
         y = x * exp2_int(-e)[None, :, None]
         if SR:

@@ -121,11 +121,12 @@ def test_bf16_parameters():
     run_pair(torch.optim.AdamW, dict(lr=1e-2), lambda: policy("int8", "int8"), dtype=torch.bfloat16)
 
 
-def _skip_pair(first: bool, **options):
-    """Two fused optimizers from identical state; the second sees NaN/inf in some gradients,
-    the first the same gradients with those entries zeroed."""
+def _skip_pair(first: bool, v_codec="int4", **options):
+    """Two fused optimizers from identical state; the second sees NaN/inf (and a finite value
+    >= 2**64) in some gradients, the first the same gradients with those entries zeroed.
+    ``v_codec`` int8: the kernel reads the verdict off the second moment's block maxima."""
     ps, qs = params(), params()
-    pol = lambda: policy("int8", "int4")  # noqa: E731
+    pol = lambda: policy("int8", v_codec)  # noqa: E731
     ref, opt = (build(x, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), pol(), fused=True, **options)
                 for x in (ps, qs))
     if not first:
@@ -134,10 +135,11 @@ def _skip_pair(first: bool, **options):
             o.step()
     set_grads(ps, 1)
     set_grads(qs, 1)
-    ps[0].grad[3, 5] = ps[0].grad[10, 600] = ps[2].grad[0, 0] = 0.0
+    ps[0].grad[3, 5] = ps[0].grad[10, 600] = ps[2].grad[0, 0] = ps[3].grad[1, 7] = 0.0
     qs[0].grad[3, 5] = float("nan")
     qs[0].grad[10, 600] = float("-inf")
     qs[2].grad[0, 0] = float("inf")
+    qs[3].grad[1, 7] = -(2.0 ** 65)  # finite, but its square overflows fp32
     before = [q.detach().clone() for q in qs]
     states = [{k: (v.clone() if isinstance(v, (torch.Tensor, oc.EncodedTensor)) else v) for k, v in opt.state[q].items()}
               for q in qs] if not first else None
@@ -148,12 +150,14 @@ def _skip_pair(first: bool, **options):
     skipped[0][3, 0:256] = True
     skipped[0][10, 512:700] = True
     skipped[2][0, 0] = True
+    skipped[3][1, :] = True
     return ps, qs, ref, opt, before, states, skipped
 
 
+@pytest.mark.parametrize("v_codec", ["int4", "int8"])
 @pytest.mark.parametrize("first", [False, True], ids=["later-step", "first-step"])
-def test_nonfinite_gradient_skips_its_blocks_inside_the_kernel(first):
-    ps, qs, ref, opt, before, states, skipped = _skip_pair(first)
+def test_nonfinite_gradient_skips_its_blocks_inside_the_kernel(first, v_codec):
+    ps, qs, ref, opt, before, states, skipped = _skip_pair(first, v_codec)
     for p, q, b, sk in zip(ps, qs, before, skipped):
         assert torch.equal(q[sk], b[sk])  # skipped blocks: untouched
         assert torch.equal(q[~sk], p[~sk])  # every other block: exactly the finite run's update
@@ -168,7 +172,7 @@ def test_nonfinite_gradient_skips_its_blocks_inside_the_kernel(first):
             assert torch.equal(got[sk], old[sk]), (i, key)
         # the tensor as a whole took the step
         assert float(opt.state[q]["step"]) == float(ref.state[p]["step"]) == (1.0 if first else 2.0)
-    assert opt.memory_report()["nonfinite_skipped"] == 2
+    assert opt.memory_report()["nonfinite_skipped"] == 3  # parameters with a skipped block
     assert ref.memory_report()["nonfinite_skipped"] == 0
 
 
@@ -177,7 +181,7 @@ def test_nonfinite_skip_of_streamed_state_matches_resident():
     _, rs, _, streamed, _, _, _ = _skip_pair(False, offload=True, staging_bytes="64KB")
     for q, r in zip(qs, rs):
         assert torch.equal(q, r)
-    assert streamed.memory_report()["nonfinite_skipped"] == 2
+    assert streamed.memory_report()["nonfinite_skipped"] == 3
 
 
 def test_sgd_nonfinite_gradient_skips_its_block():
