@@ -19,11 +19,12 @@ from .kernels import launch
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # launch shape (256-element tiles per program, warps), timed on an H100 2026-11-23 with
-# tools/kernel_shapes.py: (2, 2) and one tile per program is the fastest or within 3% of it for
-# int8, 4-bit and bf16 states (BENCHMARKS.md). Env vars override.
+# tools/kernel_shapes.py and the step table (BENCHMARKS.md sections 10-11): 4 tiles x 2 warps for
+# int8 states (0.57x vs 0.61x fused AdamW at 2 x 2), 2 x 2 for 4-bit and bf16 (4 x 2 no faster).
+# Env vars override (OPTSTATE_NBLK sets every kind).
 NBLK = int(os.environ.get("OPTSTATE_NBLK", 2))
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 2))
-NBLK_4BIT, NUM_WARPS_4BIT = (int(os.environ.get("OPTSTATE_NBLK", 2)), int(os.environ.get("OPTSTATE_NUM_WARPS", 2)))
+NBLK_INT8 = int(os.environ.get("OPTSTATE_NBLK", 4))
 # Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
 # bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
 ITERS = int(os.environ.get("OPTSTATE_ITERS", 1))
@@ -77,7 +78,8 @@ class KernelLauncher:
         engine, plan, params = self.engine, bucket.plan, bucket.params
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
-        nblk, warps = (NBLK_4BIT, NUM_WARPS_4BIT) if INT4 in plan["kinds"] else (NBLK, NUM_WARPS)
+        nblk = NBLK_INT8 if INT8 in plan["kinds"] and INT4 not in plan["kinds"] else NBLK
+        warps = NUM_WARPS
         iters = ITERS if plan["kind"] == "adam" else 1
         cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk * iters, device)
         P = launch.pointer_table(params, device)

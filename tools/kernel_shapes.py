@@ -59,7 +59,7 @@ def main():
         preset, _, flag = spec.partition(":")  # "8bit:nocheck" = skip_nonfinite=False
         for shape in args.shapes.split(","):
             nblk, warps = (int(x) for x in shape.split("x"))
-            fused.NBLK, fused.NUM_WARPS, fused.NBLK_4BIT, fused.NUM_WARPS_4BIT = nblk, warps, nblk, warps
+            fused.NBLK, fused.NUM_WARPS, fused.NBLK_INT8 = nblk, warps, nblk
             qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
             for q, p in zip(qs, ps):
                 q.grad = p.grad

@@ -206,7 +206,7 @@ def run(args) -> int:
             name = label
             if variant is not None and args.tune:
                 fused.NBLK, fused.NUM_WARPS = variant
-                fused.NBLK_4BIT, fused.NUM_WARPS_4BIT = variant
+                fused.NBLK_INT8 = variant[0]
                 if len(variants) > 1:
                     name = f"{label} [{variant[0]}x256, {variant[1]} warps]"
             log.info("bench: %s", name)

@@ -206,15 +206,18 @@ def test_sgd_nonfinite_gradient_skips_its_block():
     assert opt.memory_report()["nonfinite_skipped"] == 1
 
 
-def test_tiles_per_program_do_not_change_results(monkeypatch):
-    """ITERS tiles per program (a loop in the kernel) give bit-identical parameters and states."""
+@pytest.mark.parametrize("knob,values,codecs", [("ITERS", (1, 3), ("int8", "int4")),
+                                                 ("NBLK_INT8", (2, 4), ("int8", "int8"))])
+def test_tiles_per_program_do_not_change_results(monkeypatch, knob, values, codecs):
+    """ITERS tiles per program (a loop in the kernel), or NBLK tiles side by side, give
+    bit-identical parameters and states."""
     from optstate_core import fused_launch
 
     out = []
-    for iters in (1, 3):
-        monkeypatch.setattr(fused_launch, "ITERS", iters)
+    for value in values:
+        monkeypatch.setattr(fused_launch, knob, value)
         ps = params()
-        opt = build(ps, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), policy("int8", "int4"), fused=True)
+        opt = build(ps, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), policy(*codecs), fused=True)
         for s in range(2):
             set_grads(ps, s)
             opt.step()
