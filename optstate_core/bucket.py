@@ -63,10 +63,28 @@ class Bucket:
         sub._param_index = [i for i, _, _ in pieces]
         return sub
 
+    def host_states(self, master_only: bool = False):
+        """Indices (into each parameter's storages) of the states kept in host memory, which
+        stream through the staging ring; ``master_only``: just the master-weight correction."""
+        host = self.plan.get("host") or ()
+        if master_only:
+            k = len(self.plan["keys"])
+            return [k] if self.plan.get("master") and k < len(host) and host[k] else []
+        return [k for k, on_host in enumerate(host) if on_host]
+
+    def resident_rows(self, i: int, k: int, r0: int, r1: int):
+        """Rows ``r0:r1`` of parameter ``i``'s resident state ``k`` (in place, for a streamed piece)."""
+        value = self.storages[i][k]
+        if isinstance(value, EncodedTensor):
+            return EncodedTensor(value.codec, {n: t[r0:r1] for n, t in value.payload.items()},
+                                 (r1 - r0, self.cols[i]), value.dtype)
+        return value.view(self.rows[i], self.cols[i])[r0:r1]
+
     def piece_bytes(self, piece) -> int:
+        """Staged bytes of a piece: its host states' rows, each payload padded to 16 bytes."""
         i, r0, r1 = piece
         return sum(-(-t[r0:r1].numel() * t.element_size() // 16) * 16
-                   for enc in self.storages[i] for t in enc.payload.values())
+                   for k in self.host_states() for t in self.storages[i][k].payload.values())
 
     def chunks(self, idx, capacity: int):
         """Consecutive row pieces of parameters ``idx`` grouped so that each group's staged

@@ -105,13 +105,13 @@ class FusedPath:
         kinds = [state_kind(c) for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
-        tiers = {self.engine.tier_of(w, k) for k in keys + ((MASTER_KEY,) if master else ())}
-        if len(tiers) != 1:
-            return self._fallback("a parameter with states in different tiers")
-        offload = tiers == {"host"}
+        # per state (moments, then the correction): in host memory (streamed through the staging
+        # ring each step) or resident; a parameter may mix both (e.g. a host-tier correction)
+        host = tuple(self.engine.tier_of(w, k) == "host" for k in keys + ((MASTER_KEY,) if master else ()))
+        offload = any(host)
         if offload:  # a parameter streams in row pieces: one row must fit a chunk (half the ring)
             row = sum(c.nbytes(1, w.cols, torch.float32 if c.lossless else p.dtype) + 64
-                      for c in codecs + ([master_codec] if master else []))
+                      for c, on_host in zip(codecs + ([master_codec] if master else []), host) if on_host)
             if row > self.engine.placement.staging_size(p.device) // 2:
                 return self._fallback("one row of a parameter's state is larger than half the staging ring "
                                       "(raise staging_bytes)")
@@ -120,9 +120,9 @@ class FusedPath:
         if not first:
             if len(present) != len(keys):
                 return None
-            for key, codec, kd in zip(keys, codecs, kinds):
+            for key, codec, kd, on_host in zip(keys, codecs, kinds, host):
                 value = w.state[key]
-                if offload:
+                if on_host:
                     if not (isinstance(value, EncodedTensor) and value.codec == codec and value.host_tier
                             and value.device.type == "cpu" and value.payload_contiguous()):
                         return None
@@ -136,20 +136,20 @@ class FusedPath:
                     return None
         if master and w.state.get(MASTER_KEY) is not None:
             value = w.state[MASTER_KEY]
-            if not (isinstance(value, EncodedTensor) and value.codec == master_codec and value.host_tier == offload
-                    and value.device == (torch.device("cpu") if offload else p.device) and value.payload_contiguous()):
+            if not (isinstance(value, EncodedTensor) and value.codec == master_codec and value.host_tier == host[-1]
+                    and value.device == (torch.device("cpu") if host[-1] else p.device) and value.payload_contiguous()):
                 return None
         if not master and not allow_uncompressed and not offload and all(k == FP32 for k in kinds):
             return None  # uncompressed: torch's own implementation (passthrough) is exact
         return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first, "offload": offload,
-                "master": master, "master_codec": master_codec if master else None}
+                "host": host, "master": master, "master_codec": master_codec if master else None}
 
     # -- launch ------------------------------------------------------------------------------------------
     def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:
         """Group planned parameters into launches; allocate state on a first step."""
         groups: Dict[tuple, list] = {}
         for w, plan in planned:
-            key = (w.info.group_index, plan["kind"], plan["first"], plan["offload"], plan["master"], w.param.dtype,
+            key = (w.info.group_index, plan["kind"], plan["first"], plan["host"], plan["master"], w.param.dtype,
                    w.param.device,
                    tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]), aligned_layout(w.param))
             groups.setdefault(key, []).append((w, plan))
@@ -168,14 +168,14 @@ class FusedPath:
     def _allocate_missing(self, ws, plan) -> None:
         """First step: one allocation per state key for the whole bucket (pinned host memory
         for offloaded state)."""
-        offload = plan["offload"]
+        host = plan["host"]
         pin = self.engine.pin_memory if self.engine.pin_memory is not None else ws[0].param.device.type == "cuda"
-        for key, codec in zip(plan["keys"], plan["codecs"]):
+        for key, codec, on_host in zip(plan["keys"], plan["codecs"], host):
             missing = [w for w in ws if w.state.get(key) is None]
             if missing:
                 dtype = torch.float32 if codec.lossless or plan["master"] else missing[0].param.dtype
                 values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
-                                       host=offload, pin_memory=offload and pin)
+                                       host=on_host, pin_memory=on_host and pin)
                 for w, value in zip(missing, values):
                     w.state[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
                         else value
@@ -183,7 +183,7 @@ class FusedPath:
         if missing:  # the correction starts from what cast_model dropped, else zero
             codec = plan["master_codec"]
             values = allocate_many(codec, [w.param.shape for w in missing], torch.float32, missing[0].param.device,
-                                   host=offload, pin_memory=offload and pin)
+                                   host=host[-1], pin_memory=host[-1] and pin)
             for w, value in zip(missing, values):
                 seed = master_weights.seed_of(w.key)
                 seed = torch.zeros(value.slab) if seed is None else seed.reshape(value.slab)

@@ -131,13 +131,18 @@ class WarmupPolicy(Policy):
             ``master_correction`` in this codec: ``corr16`` (exact fp32 master, 2 bytes per
             element), ``corr8`` (16-bit significand, 1 byte) or ``fp32``; None (default): off.
             Used from the first step (no warmup); see :mod:`optstate_core.master_weights`.
+        master_tier: where ``master_correction`` lives: ``"device"`` or ``"host"`` (pinned host
+            memory; it streams through the staging ring at each update while the moments stay
+            where ``device_resident`` says); None (default): with the moments.
     """
 
     def __init__(self, warmup_steps: int = 100, momentum_key: str = "exp_avg", variance_key: str = "exp_avg_sq",
                  variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
                  small_tensor_codec: CodecSpec = None, device_resident: Optional[bool] = None,
                  momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None,
-                 master_correction: CodecSpec = None):
+                 master_correction: CodecSpec = None, master_tier: Optional[str] = None):
+        if master_tier not in (None, "device", "host"):
+            raise ValueError(f"master_tier must be None, 'device' or 'host', got {master_tier!r}")
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not isinstance(min_int8_elements, int) or isinstance(min_int8_elements, bool) or min_int8_elements < 0:
@@ -157,6 +162,7 @@ class WarmupPolicy(Policy):
         self.device_resident = device_resident
         self.rules = _parse_rules(rules)
         self.master_correction = None if master_correction is None else get_codec(master_correction)
+        self.master_tier = master_tier
         if self.master_correction is not None and self.master_correction.name not in MASTER_CODECS:
             raise ValueError(f"master_correction must be one of {', '.join(MASTER_CODECS)} or None, "
                              f"got {master_correction!r}")
@@ -233,6 +239,8 @@ class WarmupPolicy(Policy):
         return self._configured(info, key)
 
     def tier_for(self, info, key, step):
+        if key == MASTER_KEY and self.master_tier is not None:
+            return self.master_tier
         if self.device_resident is False and key == MASTER_KEY:
             return "host"
         if self.device_resident is False and self.active(step) and self.role_of(key) is not None:
@@ -250,6 +258,7 @@ class WarmupPolicy(Policy):
 
     def describe(self):
         master = f", master_correction={self.master_correction!r}" if self.master_correction is not None else ""
+        master += f", master_tier={self.master_tier!r}" if self.master_tier is not None else ""
         return (f"{type(self).__name__}(warmup_steps={self.warmup_steps}, momentum={self.momentum_codec!r}, "
                 f"variance={self.variance_codec!r}{master})")
 
@@ -270,10 +279,10 @@ class AdaptiveWarmupPolicy(WarmupPolicy):
                  variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
                  small_tensor_codec: CodecSpec = None, patience: int = 5, tol: float = 1e-3,
                  device_resident: Optional[bool] = None, momentum_codec: CodecSpec = "int8", rules=None,
-                 named_parameters=None, master_correction: CodecSpec = None):
+                 named_parameters=None, master_correction: CodecSpec = None, master_tier: Optional[str] = None):
         super().__init__(warmup_steps, momentum_key, variance_key, variance_codec, min_int8_elements,
                          small_tensor_codec, device_resident, momentum_codec, rules, named_parameters,
-                         master_correction)
+                         master_correction, master_tier)
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         if not (isinstance(tol, (int, float)) and 0 <= tol < 1):

@@ -33,9 +33,13 @@ PRESETS = {
 # "-lean" a 16-bit-significand master (int8 correction). Bytes per parameter on the device with
 # bf16 gradients: bf16w-8bit 2+2+2+2, bf16w-4bit 2+2+1+2, bf16w-8bit-lean 2+1+2+2, bf16w-4bit-lean
 # 2+1+1+2 (weights + correction + moments + gradient; 2 fewer with gradient release).
+# "-hostcorr": the lean correction in pinned host memory (weights and moments stay on the GPU): 2+2+2
+# and 2+1+2 on the device, 0 for the correction; it crosses PCIe once each way per step (1 B/param).
 for _moments in ("8bit", "4bit"):
     PRESETS[f"bf16w-{_moments}"] = dict(PRESETS[_moments], master_correction="corr16")
     PRESETS[f"bf16w-{_moments}-lean"] = dict(PRESETS[_moments], master_correction="corr8")
+    PRESETS[f"bf16w-{_moments}-lean-hostcorr"] = dict(PRESETS[_moments], master_correction="corr8",
+                                                      master_tier="host")
 PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 

@@ -170,6 +170,7 @@ class StepSchedule:
         backward = self.area.end_step(transfers.h2d_bytes, transfers.d2h_bytes)
         metrics.h2d_bytes = transfers.h2d_bytes + backward
         metrics.d2h_bytes = transfers.d2h_bytes
+        self.step_writeback = self.last_writeback  # the next step's uploads wait for this step's write-backs
 
     # -- phase 2: step() --------------------------------------------------------------------------
     def run(self, buckets) -> None:
@@ -183,9 +184,9 @@ class StepSchedule:
         if not streamed:
             return
         ring = self.ring(streamed[0].params[0].device)
-        # Uploads of this step must not read host rows the previous step is still writing back;
-        # within a step chunks are disjoint, so uploads and write-backs overlap (PCIe duplex).
-        self.step_writeback = self.last_writeback
+        # Uploads of this step wait for the previous step's write-backs (step_writeback, set by
+        # end_step): within a step chunks are disjoint, so uploads and write-backs overlap (PCIe
+        # duplex), also across the per-parameter runs of gradient release.
         work = []
         for b in streamed:
             flags = kernels.new_flags(b)
@@ -217,9 +218,12 @@ class StepSchedule:
         else:
             start = ring.reserve(sum(bucket.piece_bytes(pc) for pc in pieces), streams.h2d)
             regions, staged = [start], self._stage(bucket, pieces, ring.buffer, start)
-            if not bucket.first:
+            # a first step writes fresh moments without reading them, but reads the correction
+            # (cast_model's remainder) of a master-weight parameter
+            states = bucket.host_states() if not bucket.first else bucket.host_states(master_only=True)
+            if states:
                 streams.wait(streams.h2d, self.step_writeback)
-                transfers.h2d_bytes += self._transfer(bucket, pieces, staged, True, streams)
+                transfers.h2d_bytes += self._transfer(bucket, pieces, staged, True, streams, states=states)
             streams.wait(None, streams.event(streams.h2d))
         self.engine.kernels.launch(bucket.sub(pieces, staged), flags=flags, advance=False)
         streams.wait(streams.d2h, streams.event(None))
@@ -275,26 +279,29 @@ class StepSchedule:
     def _stage(self, bucket, pieces, buffer, start):
         """Device views (in ``buffer``, the ring or a prefetch allocation, from ``start``) for the state rows of ``pieces``, laid out
         per (state, payload) in piece order with 16-byte padding, like the host arena, so that
-        adjacent host rows map to adjacent ring bytes and copy as one range."""
+        adjacent host rows map to adjacent ring bytes and copy as one range. A state that stays
+        resident (a parameter mixing tiers) is not staged: its own rows are used in place."""
         staged = [[dict() for _ in bucket.storages[i]] for i, _, _ in pieces]
         off = start
-        for k, enc0 in enumerate(bucket.storages[pieces[0][0]]):
-            for name in enc0.payload:
+        for k in bucket.host_states():
+            for name in bucket.storages[pieces[0][0]][k].payload:
                 for (i, r0, r1), views in zip(pieces, staged):
                     rows = bucket.storages[i][k].payload[name][r0:r1]
                     n = rows.numel() * rows.element_size()
                     views[k][name] = buffer[off:off + n].view(rows.dtype).view(rows.shape)
                     off += -(-n // 16) * 16
-        return [[EncodedTensor(enc.codec, views[k], (r1 - r0, bucket.cols[i]), enc.dtype)
+        return [[EncodedTensor(enc.codec, views[k], (r1 - r0, bucket.cols[i]), enc.dtype) if views[k]
+                 else bucket.resident_rows(i, k, r0, r1)
                  for k, enc in enumerate(bucket.storages[i])] for (i, r0, r1), views in zip(pieces, staged)]
 
-    def _transfer(self, bucket, pieces, staged, upload: bool, streams, coalesce: bool = True) -> int:
+    def _transfer(self, bucket, pieces, staged, upload: bool, streams, coalesce: bool = True, states=None) -> int:
         """Copy the state rows of ``pieces`` between host memory and their staged views, one copy
         per run of adjacent rows (the host arena and the ring share one layout; ``coalesce=False``
-        for staged copies in separate allocations, which never adjoin: those go in one foreach call)."""
+        for staged copies in separate allocations, which never adjoin: those go in one foreach call).
+        ``states``: the indices of the host states to copy (default: all of them)."""
         pairs = []  # (host tensor, ring tensor) per piece, state and payload, in ring order
-        for k, enc0 in enumerate(bucket.storages[pieces[0][0]]):
-            for name in enc0.payload:
+        for k in (bucket.host_states() if states is None else states):
+            for name in bucket.storages[pieces[0][0]][k].payload:
                 for (i, r0, r1), values in zip(pieces, staged):
                     pairs.append((bucket.storages[i][k].payload[name][r0:r1], values[k].payload[name]))
         pairs = coalesce_copies(pairs) if coalesce else [(h, r) for h, r in pairs if h.numel()]

@@ -236,7 +236,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--capacity", action="store_true", help="find the largest model each optimizer can train")
     g.add_argument("--optimizers", default=None,
                    help=f"comma-separated optimizer names (--capacity default: {DEFAULT_OPTIMIZERS}; "
-                        "--peak-bytes default: adamw, the four bf16w-* presets, flashoptim, flashoptim+release; "
+                        "--peak-bytes default: adamw, the bf16w-* presets (-hostcorr first), flashoptim, flashoptim+release; "
                         "unavailable ones are reported as such)")
     g.add_argument("--widths", default="2048,4096,8192", help="hidden sizes of the ladder (default: %(default)s)")
     g.add_argument("--max-layers", type=int, default=32, help="layers at each width but the last (default: 32)")

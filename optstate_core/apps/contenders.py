@@ -121,7 +121,7 @@ def hint_bytes_per_param(c: Contender) -> float:
     state = 0.0 if c.offload or spec.get("device_resident") is False else \
         sum(moment.get(spec.get(k) if isinstance(spec.get(k), str) else "int8", 1.0)
             for k in ("momentum_codec", "variance_codec")) + \
-        {"corr16": 2.0, "corr8": 1.0}.get(spec.get("master_correction"), 0.0)
+        (0.0 if spec.get("master_tier") == "host" else {"corr16": 2.0, "corr8": 1.0}.get(spec.get("master_correction"), 0.0))
     weights = 2.0 if c.weights == torch.bfloat16 else 6.0  # fp32 weights + their bf16 autocast copies
     grads = 0.0 if c.release else (2.0 if c.weights == torch.bfloat16 else 4.0)
     return weights + grads + state + (0.5 if c.offload else 0.0)

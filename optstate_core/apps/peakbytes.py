@@ -11,7 +11,8 @@ Bytes per parameter at the peak count what the training state holds there, not a
 optimizer and every gradient freed in its hook (``none`` for fp32 weights under bf16 autocast,
 ``none-bf16`` for bf16 weights: same model, same batch). So it is weights + gradients alive at
 the peak + optimizer state (+ master correction) + the optimizer's own step temporaries. "held"
-is what stays allocated between steps (weights + state) per parameter.
+is what stays allocated between steps (weights + state) per parameter; "host" the optimizer state
+kept in host memory per parameter (``memory_report()``: e.g. the ``-hostcorr`` presets' correction).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .trial import TrialSpec, run_in_subprocess
 
 log = logging.getLogger("optstate")
 
-DEFAULT_OPTIMIZERS = "adamw,bf16w-4bit-lean,bf16w-8bit-lean,bf16w-4bit,bf16w-8bit,flashoptim,flashoptim+release"
+DEFAULT_OPTIMIZERS = ("adamw,bf16w-4bit-lean-hostcorr,bf16w-8bit-lean-hostcorr,bf16w-4bit-lean,bf16w-8bit-lean,"
+                      "bf16w-4bit,bf16w-8bit,flashoptim,flashoptim+release")
 
 
 def baseline_of(name: str) -> str:
@@ -77,7 +79,8 @@ def summarize(model: str, shape: LlamaShape, name: str, r: dict, base) -> dict:
     n = shape.params
     row = {"model": model, "params": n, "optimizer": name, "status": r["status"], "error": r.get("error"),
            "step_s": r.get("step_s"), "tokens_per_s": r.get("tokens_per_s"), "peak_bytes": r.get("peak_step_bytes"),
-           "held_bytes": r.get("held_bytes"), "activation_bytes": None, "bytes_per_param_at_peak": None}
+           "held_bytes": r.get("held_bytes"), "host_bytes": r.get("optimizer_host_bytes"), "activation_bytes": None,
+           "bytes_per_param_at_peak": None}
     if base and base.get("status") == "ok" and base.get("peak_step_bytes") is not None:
         row["activation_bytes"] = base["peak_step_bytes"] - base["weight_bytes"]
         if row["peak_bytes"] is not None:
@@ -95,21 +98,22 @@ def table_row(r: dict) -> str:
     return (f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['optimizer']} | {status} "
             f"| {_cell(r['peak_bytes'], '.2f', 2**30)} | {_cell(r['activation_bytes'], '.2f', 2**30)} "
             f"| {_cell(r['bytes_per_param_at_peak'], '.2f')} | {_cell(r['held_bytes'], '.2f', r['params'])} "
-            f"| {_cell(r['step_s'], '.3f')} | {_cell(r['tokens_per_s'], '.0f')} |")
+            f"| {_cell(r['step_s'], '.3f')} | {_cell(r['tokens_per_s'], '.0f')} "
+            f"| {_cell(r.get('host_bytes'), '.2f', r['params'])} |")
 
 
 def print_table(rows, args) -> None:
     print(f"\ntraining-step memory: batch {args.batch}x{args.seq}, activation checkpointing "
           f"{'on' if args.checkpointing else 'off'}, random init from config; torch {torch.__version__}")
     print("| model | optimizer | status | peak GPU GiB | activations GiB | B/param at peak | held B/param "
-          "| step s | tokens/s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "| step s | tokens/s | host B/param |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(table_row(r))
     print("B/param at peak = (peak of the timed steps - activations) / params; activations = peak - weights of a "
           "forward+backward with no optimizer and gradients freed in their hooks (fp32 weights + bf16 autocast, "
           "whose bf16 weight copies count as activations, for adamw; bf16 weights otherwise); held = allocated "
-          "between steps / params")
+          "between steps / params; host = optimizer state in host memory / params")
 
 
 def add_arguments(parser) -> None:

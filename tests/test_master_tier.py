@@ -1,0 +1,150 @@
+"""The master-weight correction in its own tier: ``master_tier="host"`` (the ``-hostcorr`` presets)
+keeps bf16 weights and moments resident and streams only the correction through the staging ring.
+
+Moving bytes changes no value: every run here is bit-identical to the all-resident one, on the
+fused kernels (interpreted on the CPU; real streams on a GPU) and the reference path, with
+gradient release too. Also the first fused step of any offloaded correction, which must read
+the remainder ``cast_model`` kept (it used to read the staging ring's stale bytes).
+"""
+import io
+
+import pytest
+import torch
+
+import optstate_core as oc
+from optstate_core.master_weights import MASTER_KEY, cast_model, join
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# a row-split matrix (the small ring streams it in pieces), a 1-D tensor under 4096 elements (fp32
+# moments stay raw device tensors beside a host correction), and a second matrix
+SHAPES = [(24, 256), (300,), (8, 512)]
+
+
+def model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.ParameterList([torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(DEVICE)) for s in SHAPES])
+    cast_model(m)
+    return m
+
+
+def set_grads(ps, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
+
+
+def masters(opt, ps):
+    return [join(p.detach(), opt.state[p][MASTER_KEY].decode(p.device)) for p in ps]
+
+
+def train(preset, steps=3, fused=True, release=False, **options):
+    m = model()
+    ps = list(m.parameters())
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), preset, fused=fused,
+                  release_gradients=release, staging_bytes="16KB", **options)
+    for s in range(steps):
+        set_grads(ps, s)
+        if release:
+            for p in ps:  # what autograd's post-accumulate-grad hooks do on the boundary micro-batch
+                opt._engine.schedule.gradient_ready(p)
+            assert all(p.grad is None for p in ps)
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("moments", ["4bit", "8bit"])
+def test_host_correction_is_bit_identical_to_resident_on_the_fused_path(moments):
+    ps0, ref = train(f"bf16w-{moments}-lean")
+    ps1, opt = train(f"bf16w-{moments}-lean-hostcorr")
+    assert opt.last_step_timings["fused_params"] == len(SHAPES)  # every parameter took the kernel
+    for p, q in zip(ps0, ps1):
+        assert torch.equal(p, q)
+        assert ref.state[p][MASTER_KEY].host_tier is False
+        assert opt.state[q][MASTER_KEY].host_tier is True
+        assert opt.state[q][MASTER_KEY].payload["data"].device.type == "cpu"
+        for key in ("exp_avg", "exp_avg_sq"):  # the moments stay resident
+            value = opt.state[q][key]
+            assert getattr(value, "host_tier", False) is False and value.device == q.device
+    for a, b in zip(masters(ref, ps0), masters(opt, ps1)):
+        assert torch.equal(a, b)
+    n = sum(p.numel() for p in ps1)
+    report, ref_report = opt.memory_report(), ref.memory_report()
+    assert report["host_bytes"] == n  # corr8: one byte per element, nothing else on the host
+    assert report["device_bytes"] == ref_report["device_bytes"] - n
+    assert report["training_bytes"]["master_correction"] == {"device": 0, "host": n}
+
+
+def test_host_correction_with_gradient_release_and_on_the_reference_path():
+    ps0, _ = train("bf16w-4bit-lean")
+    ps1, opt = train("bf16w-4bit-lean-hostcorr", release=True)
+    assert opt.last_step_timings["fused_params"] == 0  # all were updated in the hooks
+    assert all(torch.equal(p, q) for p, q in zip(ps0, ps1))
+    ps2, ref = train("bf16w-4bit-lean", fused=False)
+    ps3, opt = train("bf16w-4bit-lean-hostcorr", fused=False)
+    assert all(torch.equal(p, q) for p, q in zip(ps2, ps3))
+    assert all(opt.state[p][MASTER_KEY].host_tier for p in ps3)
+    for a, b in zip(masters(ref, ps2), masters(opt, ps3)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("options", [dict(offload=True), dict()], ids=["offload", "hostcorr"])
+def test_first_fused_step_reads_the_offloaded_cast_remainder(options):
+    """lr 0: the masters after one step are the exact fp32 values cast_model split (corr16)."""
+    g = torch.Generator().manual_seed(0)
+    exact = [(torch.randn(s, generator=g) * 0.5).to(DEVICE) for s in SHAPES]
+    policy = oc.make_policy("bf16w-4bit", master_tier=None if options else "host")
+    m = model()
+    ps = list(m.parameters())
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=0.0, weight_decay=0.0), policy, fused=True, staging_bytes="16KB",
+                  **options)
+    set_grads(ps, 0)
+    opt.step()
+    assert opt.last_step_timings["fused_params"] == len(SHAPES)
+    assert all(opt.state[p][MASTER_KEY].host_tier for p in ps)
+    for x, want in zip(masters(opt, ps), exact):
+        assert torch.equal(x, want)
+
+
+def test_host_correction_checkpoint_loads_into_a_resident_optimizer():
+    ps, opt = train("bf16w-4bit-lean-hostcorr", steps=2)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    resident = oc.wrap(torch.optim.AdamW(twin, lr=1e-2, weight_decay=0.1), "bf16w-4bit-lean", fused=True)
+    buf.seek(0)
+    resident.load_state_dict(torch.load(buf, weights_only=True))
+    assert not any(resident.state[p][MASTER_KEY].host_tier for p in twin)
+    for o, params in ((opt, ps), (resident, twin)):
+        set_grads(params, 7)
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, twin))
+
+
+def test_master_tier_is_validated_and_planned():
+    from optstate_core.apps import plan
+    with pytest.raises(ValueError, match="master_tier"):
+        oc.make_policy("bf16w-4bit-lean", master_tier="gpu")
+    shapes = [("a.weight", (64, 512)), ("b.weight", (300, 700))]
+    n = 64 * 512 + 300 * 700
+    lean, host = plan.state_bytes(shapes, "bf16w-4bit-lean"), plan.state_bytes(shapes, "bf16w-4bit-lean-hostcorr")
+    assert (host.correction_device, host.correction_host) == (0, n) and lean.correction_device == n
+    assert host.device == lean.device - n and host.host == n
+    assert "master_tier='host'" in oc.make_policy("bf16w-8bit-lean-hostcorr").describe()
+
+
+def test_peak_bytes_rows_include_the_host_correction_presets():
+    from optstate_core.apps import contenders, peakbytes
+    from optstate_core.apps.llama import NAMED_SHAPES
+    assert "bf16w-4bit-lean-hostcorr" in peakbytes.DEFAULT_OPTIMIZERS.split(",")
+    c = contenders.parse("bf16w-4bit-lean-hostcorr")
+    assert c.weights == torch.bfloat16 and c.release and not c.offload
+    assert contenders.hint_bytes_per_param(c) == 3.0  # bf16 weights 2 + 4-bit moments 1; correction on the host
+    shape = NAMED_SHAPES["8b"]
+    n = shape.params
+    trial = {"status": "ok", "peak_step_bytes": 10 * n, "held_bytes": 3 * n, "optimizer_host_bytes": n,
+             "step_s": 1.0, "tokens_per_s": 2048.0}
+    base = {"status": "ok", "peak_step_bytes": 9 * n, "weight_bytes": 2 * n}
+    row = peakbytes.summarize("8b", shape, "bf16w-4bit-lean-hostcorr", trial, base)
+    assert row["bytes_per_param_at_peak"] == 3.0  # 10n - (9n - 2n) activations
+    assert peakbytes.table_row(row).endswith("| 3.00 | 3.00 | 1.000 | 2048 | 1.00 |")  # host B/param last
