@@ -1,6 +1,7 @@
 """The command line: ``optstate demo``, ``optstate bench [--convergence]``, ``--help``, ``python -m``."""
 import argparse
 import csv
+import json
 import math
 import os
 import subprocess
@@ -167,6 +168,25 @@ def test_bench_without_convergence_runs_the_microbenchmark(capsys):
                      "--configs", "int8", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "optstate int8" in out and "torch AdamW" in out
+
+
+def test_bench_times_master_weight_presets_beside_fp32_adamw(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--scale", "0.01", "--layers", "1", "--steps", "1", "--warmup", "1", "--device", "cpu",
+                     "--configs", "bf16w-4bit-lean,bf16w-4bit-lean-hostcorr", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    adamw, lean, host = (rows["torch AdamW foreach"], rows["optstate bf16w-4bit-lean"],
+                         rows["optstate bf16w-4bit-lean-hostcorr"])
+    assert adamw["weights"] == "float32" and lean["weights"] == host["weights"] == "bfloat16"
+    n = lean["n_params"]
+    assert n == adamw["n_params"] == host["n_params"] and lean["step_ms"] > 0 and host["step_ms"] > 0
+    assert lean["host_bytes"] == 0 and host["host_bytes"] == n  # corr8: one byte per parameter, in host memory
+    assert lean["bits_per_param"] - host["bits_per_param"] == pytest.approx(8.0)
+    assert "| optstate bf16w-4bit-lean           |   bf16 |" in printed and "state bits include the master" in printed
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--device", "cpu", "--configs", "int8,bf16w-2bit"])
+    assert e.value.code == 2 and "--configs: unknown configuration bf16w-2bit" in capsys.readouterr().err
 
 
 def test_bench_dispatch_and_steps_defaults(monkeypatch):

@@ -4,8 +4,10 @@ Builds fp32 parameters in Llama-1B shapes (``--scale`` shrinks every dimension),
 random gradients, and times ``step()`` for each configuration in one process: state
 bits/param (bytes the optimizer holds between steps x 8 / parameters), median step ms, the
 ratio to ``torch.optim.AdamW(fused=True)`` measured in the same run, and the peak extra memory
-during ``step()``. Offloaded configurations also print their PCIe floor (encoded bytes up and
-down over the measured pinned bandwidth).
+during ``step()``. The master-weight presets (``bf16w-*``) step the same values rounded to bf16
+(bf16 parameters and gradients, fp32 masters as parameter + correction), against the same fp32
+AdamW row; their state bits include the correction. Configurations with host-tier state also print
+their PCIe floor (host-tier bytes up and down over the measured pinned bandwidth).
 """
 from __future__ import annotations
 
@@ -43,6 +45,12 @@ class Config:
     name: str
     build: Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer]
     offloaded: bool = False
+    weights: torch.dtype = torch.float32  # bf16: master-weight presets (bf16 parameters + correction)
+
+
+#: the master-weight presets timed as rows of the table (bf16 parameters + correction)
+MASTER_PRESETS = ("bf16w-8bit", "bf16w-4bit", "bf16w-8bit-lean", "bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr")
+THIRD_PARTY_NAMES = ("bnb8", "bnb_paged8", "ao8", "ao4")
 
 
 def _wrapped(preset: str, **options):
@@ -77,6 +85,9 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
         "optstate int8, skip_nonfinite=False": Config("int8_nocheck", _wrapped("8bit", skip_nonfinite=False)),
         "optstate 4bit, skip_nonfinite=False": Config("4bit_nocheck", _wrapped("4bit", skip_nonfinite=False)),
     }
+    for preset in MASTER_PRESETS:
+        out[f"optstate {preset}"] = Config(preset, _wrapped(preset), offloaded=preset.endswith("hostcorr"),
+                                           weights=torch.bfloat16)
     if compare:
         out.update(_third_party(device))
     return out
@@ -105,9 +116,12 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     gen = torch.Generator(device=device).manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+    # bf16 rows: the same values rounded to bf16; the master correction starts at zero (no
+    # cast_model seeds, whose memory the first step frees, would skew the bytes held)
+    params = [torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(cfg.weights))
+              for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+        p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(p.dtype)
     n = sum(p.numel() for p in params)
     opt = cfg.build(params)
     if device.type == "cuda":
@@ -142,9 +156,10 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
     encoded = report["state_bytes"] if report else None
     del opt, params
     gc.collect()
-    return {"n_params": n, "bits_per_param": 8.0 * held / n, "step_ms": statistics.median(times),
+    return {"n_params": n, "weights": str(cfg.weights).replace("torch.", ""),
+            "bits_per_param": 8.0 * held / n, "step_ms": statistics.median(times),
             "wall_ms": statistics.median(walls),
-            "peak_extra_bytes": peak, "encoded_bytes": encoded,
+            "peak_extra_bytes": peak, "encoded_bytes": encoded, "host_bytes": report["host_bytes"] if report else None,
             "encoded_bits_per_param": 8.0 * report["device_bytes"] / n if report else None}
 
 
@@ -157,7 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--configs", default=None,
                         help="comma-separated subset of configuration short names (adamw,fp32,bf16,int8,4bit,"
-                             "int8_offload; with --compare also bnb8,bnb_paged8,ao8,ao4)")
+                             "int8_offload, ...; the master-weight presets " + ",".join(MASTER_PRESETS) +
+                             "; with --compare also " + ",".join(THIRD_PARTY_NAMES) + "); adamw is always run")
     parser.add_argument("--compare", action="store_true", help="add bitsandbytes / torchao when installed")
     parser.add_argument("--tune", default=None,
                         help="kernel launch shapes to try for the fused configurations, e.g. '2x4,4x4,8x8' "
@@ -192,7 +208,11 @@ def run(args) -> int:
     shapes = llama_shapes(scale, args.layers)
     table = configs(device, args.compare, args.budget_fraction)
     if args.configs:
-        wanted = set(args.configs.split(","))
+        wanted = {n.strip() for n in args.configs.split(",") if n.strip()}
+        known = {c.name for c in configs(device, False, args.budget_fraction).values()} | set(THIRD_PARTY_NAMES)
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"--configs: unknown configuration {', '.join(unknown)} (valid: {', '.join(sorted(known))})")
         table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
     bandwidth = pinned_bandwidth(device)
     rows = []
@@ -229,28 +249,32 @@ def run(args) -> int:
 def print_table(rows, device, bandwidth) -> None:
     ref = next((r for _, c, r in rows if c.name == "adamw" and r), None)
     n = next((r["n_params"] for _, _, r in rows if r), 0)
-    print(f"\noptimizer step, {n / 1e9:.3f}B fp32 params, device {device_name(device)}, "
+    print(f"\noptimizer step, {n / 1e9:.3f}B params, device {device_name(device)}, "
           f"torch {torch.__version__}")
-    head = f"| {'configuration':<30} | state bits/param | encoded bits/param | step ms | " \
+    head = f"| {'configuration':<34} | params | state bits/param | encoded bits/param | step ms | " \
            f"x {'fused' if device.type == 'cuda' else 'foreach'} | wall ms | x (wall) | peak extra MB | PCIe floor ms |"
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for label, cfg, r in rows:
         if r is None:
-            print(f"| {label:<30} | failed | | | | | | | |")
+            print(f"| {label:<34} | | failed | | | | | | | |")
             continue
         ratio = r["step_ms"] / ref["step_ms"] if ref else float("nan")
         wall_ratio = r["wall_ms"] / ref["wall_ms"] if ref else float("nan")
         floor = ""
-        if cfg.offloaded and r["encoded_bytes"] and bandwidth == bandwidth:  # S up while S comes back down
-            floor = f"{r['encoded_bytes'] / bandwidth * 1e3:.1f}"
+        if cfg.offloaded and r.get("host_bytes") and bandwidth == bandwidth:  # S up while S comes back down
+            floor = f"{r['host_bytes'] / bandwidth * 1e3:.1f}"
         peak = "" if r["peak_extra_bytes"] != r["peak_extra_bytes"] else f"{r['peak_extra_bytes'] / 2**20:.0f}"
         enc = "" if r.get("encoded_bits_per_param") is None else f"{r['encoded_bits_per_param']:.2f}"
-        print(f"| {label:<30} | {r['bits_per_param']:15.2f} | {enc:>18} | {r['step_ms']:7.2f} | {ratio:7.2f} |"
+        print(f"| {label:<34} | {r['weights'].replace('float32', 'fp32').replace('bfloat16', 'bf16'):>6} |"
+              f" {r['bits_per_param']:15.2f} | {enc:>18} | {r['step_ms']:7.2f} | {ratio:7.2f} |"
               f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {peak:>13} | {floor:>13} |")
+    if any(c.weights != torch.float32 for _, c, r in rows if r):
+        print("bf16 rows: bf16 parameters and gradients with fp32 master weights kept as state; their "
+              "state bits include the master correction")
     if bandwidth == bandwidth:
-        print(f"pinned host<->device bandwidth: {bandwidth / 1e9:.1f} GB/s; PCIe floor of an offloaded "
-              f"configuration = encoded state S / that bandwidth (S goes up while the previous chunks come back)")
+        print(f"pinned host<->device bandwidth: {bandwidth / 1e9:.1f} GB/s; PCIe floor of a configuration with "
+              f"host-tier state = its host-tier bytes S / that bandwidth (S goes up while the previous chunks come back)")
 
 
 def main(argv=None) -> int:
