@@ -235,6 +235,8 @@ class Engine:
         """Forget the cached step plan (after loading state or moving it between tiers)."""
         self._plan_cache = None
         self.schedule.index_offloaded([])
+        if self.schedule.release is not None:  # gradient release keeps a bucket per parameter
+            self.schedule.release.forget_buckets()
 
     # -- whole-state moves -----------------------------------------------------------------------
     def sync_transfers(self) -> None:

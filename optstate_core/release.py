@@ -65,8 +65,10 @@ class GradientRelease:
         self.clip_mode = clip_mode
         self.last_grad_norm: Optional[torch.Tensor] = None  # global norm of the last step, pre-clip
         self._scale: Optional[torch.Tensor] = None  # the previous step's clip factor ("previous")
-        self._sq_sum: Optional[torch.Tensor] = None  # this step's squared norms so far
+        self._norms = []  # this step's per-gradient norms so far (fp32 0-dim tensors, pre-clip)
+        self._scaled = None  # ``_scale`` cast for the gradients of this step: (device, dtype, tensor)
         self._infos: Dict[int, object] = {}
+        self._buckets: Dict[int, tuple] = {}  # id(param) -> (its one-parameter bucket, _bucket_key)
         self.released = 0  # parameters updated in backward this step
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
@@ -91,35 +93,92 @@ class GradientRelease:
         return info
 
     def step_params(self, items) -> None:
-        """Update these ``(param, ParamInfo)`` now through the engine's paths (no plan cache,
-        no step count advance: ``step()`` does that once)."""
+        """Update these ``(param, ParamInfo)`` now through the engine's paths (no step count
+        advance: ``step()`` does that once). The fused kernels skip NaN/inf blocks on the device,
+        as in ``step()``; only the other paths check on the host (a synchronisation). A fused
+        parameter's one-parameter bucket is kept for its next release while nothing it depends
+        on changes (:meth:`_cached_bucket`)."""
         engine = self.engine
-        works = collect(items, engine.state)
-        if engine.skip_nonfinite:
-            works = engine._drop_nonfinite(works)
-        for w in works:
-            if not engine.conformer.needs_tiles(w) and engine.policy.master_codec(w.info) is None:
-                run_inner(engine.inner, [(w.key, w.state, w.info.group_index)], engine.state)
+        fused, other, cached = [], [], []
+        for p, info in items:
+            bucket = self._cached_bucket(p)
+            if bucket is not None:
+                cached.append(bucket)
                 continue
-            plan = engine.fused.plan(w)
-            if plan is not None:
-                engine.schedule.run(engine.fused.build([(w, plan)]))
+            for w in collect([(p, info)], engine.state):
+                passthrough = not engine.conformer.needs_tiles(w) and engine.policy.master_codec(w.info) is None
+                plan = None if passthrough else engine.fused.plan(w)
+                (fused.append((w, plan)) if plan is not None else other.append((w, passthrough)))
+        if other and engine.skip_nonfinite:
+            kept = {id(w) for w in engine._drop_nonfinite([w for w, _ in other])}
+            other = [(w, passthrough) for w, passthrough in other if id(w) in kept]
+        buckets = engine.fused.build(fused) if fused else []
+        if buckets or cached:
+            engine.schedule.run(cached + buckets)
+        for b in buckets:  # launched once: no longer a first step, so reusable
+            if len(b.keys) == 1:
+                self._buckets[id(b.keys[0])] = (b, self._bucket_key(b.keys[0]))
+        for w, passthrough in other:
+            if passthrough:
+                run_inner(engine.inner, [(w.key, w.state, w.info.group_index)], engine.state)
             else:
                 engine.tiled.run([w], update=True)
-        engine.invalidate_plan()
+        engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
+
+    # -- the per-parameter bucket cache --------------------------------------------------------------
+    def _bucket_key(self, p):
+        """What a kept bucket depends on besides its state objects' identity (as the engine's
+        own plan cache: dtype, device, gradient form, group options, the policy's decisions)."""
+        engine, g = self.engine, p.grad
+        group = engine.inner.param_groups[self._info_of(p).group_index]
+        st = engine.state.get(p)
+        return (p.dtype, p.device, g.dtype, g.shape, g.layout, g.is_contiguous(),
+                group.get("amsgrad"), group.get("maximize"), group.get("differentiable"),
+                isinstance(group.get("lr"), torch.Tensor), engine.policy.decision_key(engine.step_count),
+                engine.skip_nonfinite, id(st), tuple(map(id, st.values())) if st is not None else ())
+
+    def _cached_bucket(self, p):
+        entry = self._buckets.get(id(p))
+        if entry is None:
+            return None
+        bucket, key = entry
+        if bucket.keys[0] is not p or bucket.states[0] is not self.engine.state.get(p) or bucket.first \
+                or key != self._bucket_key(p):
+            del self._buckets[id(p)]
+            return None
+        return bucket
+
+    def forget_buckets(self) -> None:
+        """Drop the kept buckets (the engine's plan was invalidated: state loaded, moved or recast)."""
+        self._buckets.clear()
+
+    def __getstate__(self):
+        """Copies keep no buckets (their pointer tables address the original's memory)."""
+        state = dict(self.__dict__)
+        state.update(_buckets={}, _infos={})
+        return state
 
     # -- clipping ----------------------------------------------------------------------------------
     def _clip_one(self, grad: torch.Tensor) -> None:
         norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        finite = torch.isfinite(norm)
-        sq = torch.where(finite, norm * norm, torch.zeros_like(norm))  # skipped (NaN) gradients do not count
-        self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq.to(self._sq_sum.device)
+        self._norms.append(norm)  # one launch per gradient; summed once (norm_so_far, after_step)
         if self.max_grad_norm is None:
             return
         if self.clip_mode == "previous" and self._scale is not None:
-            grad.mul_(self._scale.to(grad.device, grad.dtype))
+            cached = self._scaled
+            if cached is None or cached[0] != grad.device or cached[1] != grad.dtype:
+                cached = self._scaled = (grad.device, grad.dtype, self._scale.to(grad.device, grad.dtype))
+            grad.mul_(cached[2])
         else:  # per tensor (and the first step of "previous")
             grad.mul_(torch.clamp(self.max_grad_norm / (norm + EPS), max=1.0).to(grad.dtype))
+
+    def _global_norm(self) -> Optional[torch.Tensor]:
+        """The 2-norm over this step's gradients so far; non-finite ones (skipped) do not count."""
+        if not self._norms:
+            return None
+        device = self._norms[0].device
+        norms = torch.stack([n.to(device) for n in self._norms])
+        return torch.sqrt(torch.where(torch.isfinite(norms), norms * norms, torch.zeros_like(norms)).sum())
 
     def before_step(self, params) -> None:
         """In ``step()``, before the update of the gradients still present: global clipping, or
@@ -134,15 +193,18 @@ class GradientRelease:
     def norm_so_far(self) -> Optional[torch.Tensor]:
         """This step's global gradient norm over the gradients seen so far (pre-clip), else the
         last step's: what a framework's clipping call after backward would have returned."""
-        return torch.sqrt(self._sq_sum) if self._sq_sum is not None else self.last_grad_norm
+        norm = self._global_norm()
+        return norm if norm is not None else self.last_grad_norm
 
     def after_step(self) -> None:
         """End of ``step()``: the step's global norm, and the next step's clip factor."""
-        if self._sq_sum is not None:
-            self.last_grad_norm = torch.sqrt(self._sq_sum)
+        norm = self._global_norm()
+        if norm is not None:
+            self.last_grad_norm = norm
             if self.max_grad_norm is not None and self.clip_mode == "previous":
                 self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
-        self._sq_sum = None
+                self._scaled = None
+        self._norms = []
         self.released = 0
 
 

@@ -17,6 +17,9 @@ TILE = 256
 MAX_TENSORS = 4096  # per launch (the kernels scan the per-tensor table in one vector)
 _SHAPE_CACHE: Dict[tuple, Tuple[torch.Tensor, ...]] = {}
 _TABLE_CACHE: Dict[tuple, torch.Tensor] = {}
+# pointer tables kept (a few small device tensors each): gradient release launches once per
+# parameter, ~10 tables each, so a large model needs thousands to stay cached from step to step
+MAX_CACHED_TABLES = 16384
 
 
 def slab(shape) -> Tuple[int, int]:
@@ -69,7 +72,7 @@ def cached_table(values: Sequence[int], device: torch.device) -> torch.Tensor:
     key = (tuple(values), str(device))
     table = _TABLE_CACHE.get(key)
     if table is None:
-        if len(_TABLE_CACHE) > 1024:
+        if len(_TABLE_CACHE) > MAX_CACHED_TABLES:
             _TABLE_CACHE.clear()
         table = _TABLE_CACHE[key] = device_table(values, device)
     return table
