@@ -148,3 +148,31 @@ def test_peak_bytes_rows_include_the_host_correction_presets():
     row = peakbytes.summarize("8b", shape, "bf16w-4bit-lean-hostcorr", trial, base)
     assert row["bytes_per_param_at_peak"] == 3.0  # 10n - (9n - 2n) activations
     assert peakbytes.table_row(row).endswith("| 3.00 | 3.00 | 1.000 | 2048 | 1.00 |")  # host B/param last
+
+
+def test_host_correction_uploads_during_backward_with_prefetch():
+    """prefetch_during_backward stages only the host-tier correction (the moments stay in place)."""
+    def net():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(512, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DEVICE)
+        cast_model(m)
+        return m
+
+    runs = []
+    for preset, options in (("bf16w-4bit-lean", {}),
+                            ("bf16w-4bit-lean-hostcorr", dict(prefetch_during_backward=True, staging_bytes="1MB"))):
+        m = net()
+        opt = oc.wrap(torch.optim.AdamW(m.parameters(), lr=1e-2), preset, fused=True, **options)
+        for s in range(4):
+            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(s)).to(DEVICE, torch.bfloat16)
+            m(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((m, opt))
+    (ref_m, _), (m, opt) = runs
+    assert all(torch.equal(p, q) for p, q in zip(ref_m.parameters(), m.parameters()))
+    report = opt.memory_report()["prefetch"]
+    ps = list(m.parameters())
+    assert report["bytes_by_phase"]["backward"] == sum(p.numel() for p in ps)  # corr8: 1 B per element
+    assert report["used_bytes_last_step"] == sum(-(-p.numel() // 16) * 16 for p in ps)  # each padded to 16 B
+    assert report["bytes_by_phase"]["step"] == 0  # nothing left to upload in step(); the moments never move
