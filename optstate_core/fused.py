@@ -185,9 +185,14 @@ class FusedPath:
             values = allocate_many(codec, [w.param.shape for w in missing], torch.float32, missing[0].param.device,
                                    host=host[-1], pin_memory=host[-1] and pin)
             for w, value in zip(missing, values):
+                where = w.param.device  # encoded there (a host-tier correction is copied down once)
                 seed = master_weights.seed_of(w.key)
-                seed = torch.zeros(value.slab) if seed is None else seed.reshape(value.slab)
-                codec.encode_into(seed.to(value.device), value.payload, None)
+                seed = torch.zeros(value.slab, device=where) if seed is None else seed.to(where).reshape(value.slab)
+                payload = value.payload if value.device == where else codec.empty(*value.slab, where)
+                codec.encode_into(seed, payload, None)
+                if payload is not value.payload:
+                    for name, t in payload.items():
+                        value.payload[name].copy_(t)
                 master_weights.forget_seed(w.key)
                 w.state[MASTER_KEY] = value
 
