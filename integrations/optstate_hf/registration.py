@@ -34,6 +34,8 @@ OPTIM_NAMES: Dict[str, str] = {
     "optstate_adamw_bf16w_4bit": "bf16w-4bit",
     "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
     "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
+    "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
+    "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
 }
 HOOK = "get_optimizer_cls_and_kwargs"
 _FALLBACK = ("Pass the optimizer instead: Trainer(..., optimizer_cls_and_kwargs="
