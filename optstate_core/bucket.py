@@ -27,7 +27,7 @@ class Bucket:
         self.rows = [w.rows for w in works]
         self.cols = [w.cols for w in works]
         self.bases = [w.offset for w in works]  # index of each item's first element in its global tensor
-        self.grads = None  # None: the parameters' own .grad
+        self.offsets = [0] * len(works)  # byte offset of each item's rows in its parameter and gradient
         self.storages = storages
         self.plan = plan
         self.first = plan["first"]
@@ -35,9 +35,13 @@ class Bucket:
         self._tables = {}
         self._param_index = None
 
-    def grad_list(self):
-        """The current gradients (read each step: they may be new tensors every step)."""
-        return self.grads if self.grads is not None else [local(k.grad) for k in self.keys]
+    def param_pointers(self):
+        """Addresses of the items' parameter rows (read each launch: ``p.data`` may be replaced)."""
+        return [p.data_ptr() + off for p, off in zip(self.params, self.offsets)]
+
+    def grad_pointers(self):
+        """Addresses of the items' current gradient rows (new tensors every step, maybe)."""
+        return [local(k.grad).data_ptr() + off for k, off in zip(self.keys, self.offsets)]
 
     def param_index(self, device):
         """For a piece bucket: each piece's parameter index in the parent bucket (device table)."""
@@ -45,12 +49,12 @@ class Bucket:
 
     def sub(self, pieces, storages) -> "Bucket":
         """The same launch over row pieces ``(i, r0, r1)`` of its parameters, with other state
-        storages (the staged copies): views of the parameter and gradient rows."""
+        storages (the staged copies; None: set by :meth:`point_states`); ``params`` are the
+        whole parameters, their rows' offsets in ``offsets``."""
         sub = object.__new__(Bucket)
         sub.keys = [self.keys[i] for i, _, _ in pieces]
-        sub.params = [self.params[i].detach().view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
-        grads = self.grad_list()
-        sub.grads = [grads[i].view(self.rows[i], self.cols[i])[r0:r1] for i, r0, r1 in pieces]
+        sub.params = [self.params[i] for i, _, _ in pieces]
+        sub.offsets = [r0 * self.cols[i] * self.params[i].element_size() for i, r0, _ in pieces]
         sub.states = [self.states[i] for i, _, _ in pieces]
         sub.indices = [self.indices[i] for i, _, _ in pieces]
         sub.shapes = [(r1 - r0, self.cols[i]) for i, r0, r1 in pieces]
@@ -79,6 +83,13 @@ class Bucket:
             return EncodedTensor(value.codec, {n: t[r0:r1] for n, t in value.payload.items()},
                                  (r1 - r0, self.cols[i]), value.dtype)
         return value.view(self.rows[i], self.cols[i])[r0:r1]
+
+    def point_states(self, pointers) -> None:
+        """Point the launch's state tables at these addresses: per state, each item's main payload
+        and scales (0: none), for staged copies that have no views (stage_plan.staged_pointers)."""
+        device = self.params[0].device
+        for k, (mains, scales) in pointers.items():
+            self._tables[k] = (launch.cached_table(mains, device), launch.cached_table(scales, device))
 
     def piece_bytes(self, piece) -> int:
         """Staged bytes of a piece: its host states' rows, each payload padded to 16 bytes."""

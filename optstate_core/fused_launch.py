@@ -81,13 +81,18 @@ class KernelLauncher:
         nblk = NBLK_INT8 if INT8 in plan["kinds"] and INT4 not in plan["kinds"] else NBLK
         warps = NUM_WARPS
         iters = ITERS if plan["kind"] == "adam" else 1
-        cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = launch.work_tables(bucket.shapes, nblk * iters, device)
-        P = launch.pointer_table(params, device)
-        G = launch.pointer_table(bucket.grad_list(), device)
-        # counter-hash seeds of m, v, vmax and the parameter; the kernel mixes in the step
-        SEEDS = launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device)
+        memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
+        if memo_key not in memo:
+            # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in
+            # the step); each item's first element; whether offsets fit 32 bits
+            memo[memo_key] = (launch.work_tables(bucket.shapes, nblk * iters, device),
+                              launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device),
+                              launch.cached_table(bucket.bases, device),
+                              all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)))
+        (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32 = memo[memo_key]
+        P = launch.cached_table(bucket.param_pointers(), device)
+        G = launch.cached_table(bucket.grad_pointers(), device)
         step_mix_value = step_mix(engine.step_count)
-        BASE = launch.cached_table(bucket.bases, device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
         parent_flags = flags
         flags = self.new_flags(bucket) if check else None
@@ -100,7 +105,6 @@ class KernelLauncher:
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
         M, MS = bucket.tables(0, device)
-        idx32 = all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols))
         common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))

@@ -52,13 +52,14 @@ def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str
 
 
 class Staged:
-    """One parameter's staged state: its device allocation, the staged encoded views, the upload's
-    event, and the host payloads it copies (to check they are still the parameter's state)."""
+    """One parameter's staged state: its device allocation, its layout there
+    (:class:`~optstate_core.stage_plan.Layout`), the byte views its copies use, and the host
+    payloads it copies (to check they are still the parameter's state)."""
 
-    __slots__ = ("buffer", "values", "uploaded", "sources", "nbytes")
+    __slots__ = ("buffer", "layout", "views", "sources", "nbytes")
 
-    def __init__(self, buffer, values, uploaded, sources, nbytes):
-        self.buffer, self.values, self.uploaded, self.sources, self.nbytes = buffer, values, uploaded, sources, nbytes
+    def __init__(self, buffer, layout, views, sources, nbytes):
+        self.buffer, self.layout, self.views, self.sources, self.nbytes = buffer, layout, views, sources, nbytes
 
     def matches(self, storages) -> bool:
         return len(storages) == len(self.sources) and all(a is b for a, b in zip(storages, self.sources))

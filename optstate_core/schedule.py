@@ -24,9 +24,9 @@ from typing import Dict, Optional
 
 import torch
 
-from .codecs import EncodedTensor
 from .prefetch import AUTO, PrefetchArea, Staged
-from .transfer import StagingRing, Streams, coalesce_copies
+from .stage_plan import param_layout, ring_chunks, staged_launch
+from .transfer import StagingRing, Streams
 
 log = logging.getLogger("optstate")
 
@@ -68,6 +68,7 @@ class StepSchedule:
         self._ring: Optional[StagingRing] = None
         self.last_writeback = None  # event of the last queued write-back
         self.step_writeback = None  # the previous step's last write-back: this step's uploads wait on it
+        self._h2d_after = None  # the write-back event the upload stream already waits on
         self._where: Dict[int, tuple] = {}
         self._hooks = []
         self._hooked = set()  # ids of parameters with a hook
@@ -111,7 +112,8 @@ class StepSchedule:
     def prefetch(self, param) -> None:
         """Backward hook: stage this parameter's offloaded state in the prefetch area, if the
         budget has room (one allocation, made on the compute stream; the upload waits for it and
-        for the previous step's write-backs, on the device)."""
+        for the previous step's write-backs, on the device). Layout and host views are cached
+        (:func:`~optstate_core.stage_plan.param_layout`): one copy call per parameter."""
         located = self._where.get(id(param))
         if located is None or not self.boundary.will_step:
             return
@@ -124,22 +126,20 @@ class StepSchedule:
             return
         area.observe_hook(device)
         bucket, i = located
-        piece = (i, 0, bucket.rows[i])
-        nbytes = bucket.piece_bytes(piece)
-        if not area.admits(nbytes, device):
+        layout = param_layout(bucket, i)
+        if not area.admits(layout.nbytes, device):
             return
         streams = self.streams(device)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
-        staged = self._stage(bucket, [piece], buffer, 0)
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        views = layout.byte_views(buffer)
         streams.wait(streams.h2d, streams.event(None))  # the block may be memory backward kernels still use
-        streams.wait(streams.h2d, self.last_writeback)  # the host rows the last step is writing back
+        self._uploads_after(streams, self.last_writeback)  # the host rows the last step is writing back
         area.mark("upload_start", lambda: streams.event(streams.h2d))
-        moved = self._transfer(bucket, [piece], staged, True, streams, coalesce=False)
+        with streams.on(streams.h2d):
+            torch._foreach_copy_(views, layout.hosts, non_blocking=True)
         if streams.cuda:
             buffer.record_stream(streams.h2d)
-        uploaded = streams.event(streams.h2d)
-        area.mark("upload_end", lambda: uploaded)
-        area.add(id(param), Staged(buffer, staged[0], uploaded, list(bucket.storages[i]), nbytes), moved)
+        area.add(id(param), Staged(buffer, layout, views, layout.sources[0], layout.nbytes), sum(layout.sizes))
 
     def index_offloaded(self, buckets) -> None:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks); the
@@ -183,60 +183,89 @@ class StepSchedule:
                 kernels.launch(b)
         if not streamed:
             return
-        ring = self.ring(streamed[0].params[0].device)
+        device = streamed[0].params[0].device
+        ring, streams = self.ring(device), self.streams(device)
         # Uploads of this step wait for the previous step's write-backs (step_writeback, set by
         # end_step): within a step chunks are disjoint, so uploads and write-backs overlap (PCIe
         # duplex), also across the per-parameter runs of gradient release.
         work = []
         for b in streamed:
             flags = kernels.new_flags(b)
-            pre = [(i, 0, b.rows[i]) for i in range(len(b.keys)) if self._staged_for(b, i)] \
+            pre = [i for i in range(len(b.keys)) if self._staged_for(b, i)] \
                 if self.area.entries else []  # nothing staged (prefetch off): no per-parameter lookups
             work.append((b, flags, pre))
+        if any(pre for _, _, pre in work):  # backward's uploads, all on one stream: one event covers them
+            uploaded = streams.event(streams.h2d)
+            self.area.mark("upload_end", lambda: uploaded)
+            streams.wait(None, uploaded)
         for b, flags, pre in work:
             if pre:
-                self._stream_chunk(b, flags, pre, prefetched=True)
+                self._launch_prefetched(b, flags, pre)
         for b, flags, pre in work:
-            done = {i for i, _, _ in pre}
-            rest = [i for i in range(len(b.params)) if i not in done]
-            for chunk in b.chunks(rest, ring.size // 2):
-                self._stream_chunk(b, flags, chunk, prefetched=False)
+            done = set(pre)
+            rest = [i for i in range(len(b.params)) if i not in done] if done else list(range(len(b.params)))
+            for chunk in ring_chunks(b, rest, ring.size // 2):
+                self._stream_chunk(b, flags, chunk)
             kernels.advance_steps(b)
             kernels.count_skipped(flags)
             b.first = False
             self.engine.metrics.fused_params += len(b.params)
-        ring.head = 0  # the same offsets every step: pointer tables stay cached
+        ring.head = 0  # the same offsets every step: chunk plans and pointer tables stay cached
 
-    def _stream_chunk(self, bucket, flags, pieces, prefetched: bool) -> None:
+    def _launch_prefetched(self, bucket, flags, indices) -> None:
+        """Update the parameters whose state backward staged (one launch, pointers = each staged
+        allocation's address + cached offsets), then queue their write-back (one copy call)."""
         device = bucket.params[0].device
-        ring, streams, transfers = self.ring(device), self.streams(device), self.engine.transfers
-        if prefetched:
-            regions, taken = [], [self.area.take(id(bucket.keys[i])) for i, _, _ in pieces]
-            for entry in taken:
-                streams.wait(None, entry.uploaded)
-            staged = [entry.values for entry in taken]
-        else:
-            start = ring.reserve(sum(bucket.piece_bytes(pc) for pc in pieces), streams.h2d)
-            regions, staged = [start], self._stage(bucket, pieces, ring.buffer, start)
-            # a first step writes fresh moments without reading them, but reads the correction
-            # (cast_model's remainder) of a master-weight parameter
-            states = bucket.host_states() if not bucket.first else bucket.host_states(master_only=True)
-            if states:
-                streams.wait(streams.h2d, self.step_writeback)
-                transfers.h2d_bytes += self._transfer(bucket, pieces, staged, True, streams, states=states)
-            streams.wait(None, streams.event(streams.h2d))
-        self.engine.kernels.launch(bucket.sub(pieces, staged), flags=flags, advance=False)
+        streams, transfers = self.streams(device), self.engine.transfers
+        taken = [self.area.take(id(bucket.keys[i])) for i in indices]
+        self.engine.kernels.launch(staged_launch(bucket, indices, taken), flags=flags, advance=False)
         streams.wait(streams.d2h, streams.event(None))
         self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
-        transfers.d2h_bytes += self._transfer(bucket, pieces, staged, False, streams, coalesce=not prefetched)
+        hosts = [h for entry in taken for h in entry.layout.hosts]
+        with streams.on(streams.d2h):
+            torch._foreach_copy_(hosts, [v for entry in taken for v in entry.views], non_blocking=True)
+        transfers.d2h_bytes += sum(h.numel() for h in hosts)
         done = streams.event(streams.d2h)
-        for start in regions:
-            ring.release(start, done)
-        if prefetched and streams.cuda:  # the area goes back to the allocator once written back
+        if streams.cuda:  # the area goes back to the allocator once written back
             for entry in taken:
                 entry.buffer.record_stream(streams.d2h)
         self.area.mark("writeback_end", lambda: done)
         self.last_writeback = done
+
+    def _stream_chunk(self, bucket, flags, chunk) -> None:
+        """One ring chunk (:class:`~optstate_core.stage_plan.ChunkPlan`): upload, update, write-back."""
+        device = bucket.params[0].device
+        ring, streams, transfers = self.ring(device), self.streams(device), self.engine.transfers
+        start = ring.reserve(chunk.layout.nbytes, streams.h2d)
+        chunk.place(bucket, ring.buffer, start)
+        # a first step writes fresh moments without reading them, but reads the correction
+        # (cast_model's remainder) of a master-weight parameter
+        pairs, moved = chunk.uploads(bucket)
+        if pairs:
+            self._uploads_after(streams, self.step_writeback)
+            with streams.on(streams.h2d):
+                for host, staged in pairs:
+                    staged.copy_(host, non_blocking=True)
+            transfers.h2d_bytes += moved
+        streams.wait(None, streams.event(streams.h2d))
+        self.engine.kernels.launch(chunk.launch_bucket(bucket), flags=flags, advance=False)
+        streams.wait(streams.d2h, streams.event(None))
+        self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
+        with streams.on(streams.d2h):
+            for host, staged in chunk.pairs:
+                host.copy_(staged, non_blocking=True)
+        transfers.d2h_bytes += chunk.moved
+        done = streams.event(streams.d2h)
+        ring.release(start, done)
+        self.area.mark("writeback_end", lambda: done)
+        self.last_writeback = done
+
+    def _uploads_after(self, streams, event) -> None:
+        """The upload stream waits for ``event`` (write-backs of host rows it will read), once per
+        event: everything queued on that stream later is ordered after the wait."""
+        if event is not None and self._h2d_after is not event:
+            streams.wait(streams.h2d, event)
+            self._h2d_after = event
 
     def _staged_for(self, bucket, i) -> bool:
         """Whether parameter ``i`` of ``bucket`` has a staged copy of its current state (a copy
@@ -253,6 +282,7 @@ class StepSchedule:
     def streams(self, device) -> Streams:
         if self._streams is None or self._streams.device != device:
             self._streams = Streams(device)
+            self._h2d_after = None  # a new upload stream has waited for nothing
         return self._streams
 
     def ring(self, device) -> StagingRing:
@@ -276,50 +306,10 @@ class StepSchedule:
         self.area.drop()
         self.remove_hooks()
 
-    def _stage(self, bucket, pieces, buffer, start):
-        """Device views (in ``buffer``, the ring or a prefetch allocation, from ``start``) for the state rows of ``pieces``, laid out
-        per (state, payload) in piece order with 16-byte padding, like the host arena, so that
-        adjacent host rows map to adjacent ring bytes and copy as one range. A state that stays
-        resident (a parameter mixing tiers) is not staged: its own rows are used in place."""
-        staged = [[dict() for _ in bucket.storages[i]] for i, _, _ in pieces]
-        off = start
-        for k in bucket.host_states():
-            for name in bucket.storages[pieces[0][0]][k].payload:
-                for (i, r0, r1), views in zip(pieces, staged):
-                    rows = bucket.storages[i][k].payload[name][r0:r1]
-                    n = rows.numel() * rows.element_size()
-                    views[k][name] = buffer[off:off + n].view(rows.dtype).view(rows.shape)
-                    off += -(-n // 16) * 16
-        return [[EncodedTensor(enc.codec, views[k], (r1 - r0, bucket.cols[i]), enc.dtype) if views[k]
-                 else bucket.resident_rows(i, k, r0, r1)
-                 for k, enc in enumerate(bucket.storages[i])] for (i, r0, r1), views in zip(pieces, staged)]
-
-    def _transfer(self, bucket, pieces, staged, upload: bool, streams, coalesce: bool = True, states=None) -> int:
-        """Copy the state rows of ``pieces`` between host memory and their staged views, one copy
-        per run of adjacent rows (the host arena and the ring share one layout; ``coalesce=False``
-        for staged copies in separate allocations, which never adjoin: those go in one foreach call).
-        ``states``: the indices of the host states to copy (default: all of them)."""
-        pairs = []  # (host tensor, ring tensor) per piece, state and payload, in ring order
-        for k in (bucket.host_states() if states is None else states):
-            for name in bucket.storages[pieces[0][0]][k].payload:
-                for (i, r0, r1), values in zip(pieces, staged):
-                    pairs.append((bucket.storages[i][k].payload[name][r0:r1], values[k].payload[name]))
-        pairs = coalesce_copies(pairs) if coalesce else [(h, r) for h, r in pairs if h.numel()]
-        if not pairs:
-            return 0
-        hosts, rings = [h for h, _ in pairs], [r for _, r in pairs]
-        with streams.on(streams.h2d if upload else streams.d2h):
-            if coalesce:  # a few byte ranges: one copy each (the path measured on GPUs)
-                for host, ring in pairs:
-                    (ring.copy_(host, non_blocking=True) if upload else host.copy_(ring, non_blocking=True))
-            else:  # many small payload copies (staged copies): one call instead of a Python loop
-                torch._foreach_copy_(*((rings, hosts) if upload else (hosts, rings)), non_blocking=True)
-        return sum(h.numel() * h.element_size() for h in hosts)
-
     def __getstate__(self):
         """Copies and pickles keep the timetable, not streams, ring, events or hooks (re-made lazily)."""
         self.sync()
         state = dict(self.__dict__)
         state.update(_streams=None, _ring=None, last_writeback=None, step_writeback=None, _where={}, _hooks=[],
-                     _hooked=set())
+                     _hooked=set(), _h2d_after=None)
         return state

@@ -197,3 +197,29 @@ def test_invalid_offload_options():
                           (dict(prefetch_during_backward=1), "prefetch_during_backward")]:
         with pytest.raises(ValueError, match=match):
             oc.wrap(torch.optim.AdamW(ps), **kwargs)
+
+
+def _master_weight_run(budget=None, steps=4):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 16), torch.nn.Tanh(), torch.nn.Linear(16, 256)).to(FUSED_DEVICE)
+    oc.cast_model(model)  # bf16 weights; the correction is seeded with the bits they dropped
+    options = {} if budget is None else dict(offload=True, staging_bytes="16KB", prefetch_budget=budget)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), oc.make_policy("bf16w-8bit", min_int8_elements=0),
+                  fused=True, **options)
+    if budget is not None:  # stale bytes where the first step's state streams
+        opt._engine.schedule.ring(torch.device(FUSED_DEVICE)).buffer.fill_(0x7F)
+        if FUSED_DEVICE == "cuda":
+            torch.cuda.synchronize()
+    for s in range(steps):
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(s)).to(FUSED_DEVICE, torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return flat_params(model)
+
+
+@pytest.mark.parametrize("budget", ["auto", 0], ids=["prefetch", "ring"])
+def test_offloaded_master_weights_first_step_uploads_the_seeded_correction(budget):
+    """The first fused step of offloaded master weights reads the correction cast_model seeded (it
+    is not fresh state like the moments): it is uploaded, not taken from whatever the ring held."""
+    assert torch.equal(_master_weight_run(budget), _master_weight_run())

@@ -1,6 +1,7 @@
 """Diagnose backward-time prefetch on one GPU: per-step-synchronized vs back-to-back step times of
-the 0.95B e2e model for fused AdamW and int8 offloaded with and without prefetch, then a
-torch.profiler summary of two prefetching steps: python tools/prefetch_diag.py [--out DIR]."""
+the 0.95B e2e model for fused AdamW and int8 offloaded with and without prefetch, the host ms spent
+in step() and in backward hooks, then a torch.profiler summary of two prefetching steps:
+python tools/prefetch_diag.py [--out DIR]."""
 import argparse
 import os
 import time
@@ -11,8 +12,40 @@ from optstate_core.apps.e2e import build_model, train_step
 from optstate_core.presets import make_policy, wrap
 
 
+class HostTimer:
+    """Host milliseconds spent inside ``opt.step()`` and (optstate) in the schedule's backward
+    hooks, by time.perf_counter around the calls (no synchronisation added)."""
+
+    def __init__(self, opt):
+        self.step_ms = self.hook_ms = 0.0
+        if opt is None:
+            return
+        step = opt.step
+
+        def timed_step(*args, **kwargs):
+            t = time.perf_counter()
+            out = step(*args, **kwargs)
+            self.step_ms += (time.perf_counter() - t) * 1e3
+            return out
+        opt.step = timed_step  # e2e.train_step calls opt.step() through the instance
+        schedule = getattr(getattr(opt, "_engine", None), "schedule", None)
+        if schedule is not None:
+            ready = schedule.gradient_ready
+
+            def timed_hook(param):
+                t = time.perf_counter()
+                ready(param)
+                self.hook_ms += (time.perf_counter() - t) * 1e3
+            schedule.gradient_ready = timed_hook  # the hooks call it through the schedule instance
+
+    def reset(self):
+        self.step_ms = self.hook_ms = 0.0
+
+
 def timings(model, tokens, opt, warmup=5, steps=8):
-    """(median ms with a sync after every step, mean ms of back-to-back steps synced at the ends)."""
+    """(median ms with a sync after every step, mean ms of back-to-back steps synced at the ends,
+    host ms per step in opt.step() and in backward hooks during the back-to-back steps)."""
+    host = HostTimer(opt)
     for _ in range(warmup):
         train_step(model, tokens, opt)
     synced = []
@@ -23,11 +56,13 @@ def timings(model, tokens, opt, warmup=5, steps=8):
         torch.cuda.synchronize()
         synced.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
+    host.reset()
     t = time.perf_counter()
     for _ in range(steps):
         train_step(model, tokens, opt)
     torch.cuda.synchronize()
-    return sorted(synced)[steps // 2], (time.perf_counter() - t) * 1e3 / steps
+    return sorted(synced)[steps // 2], (time.perf_counter() - t) * 1e3 / steps, host.step_ms / steps, \
+        host.hook_ms / steps
 
 
 def main():
@@ -47,13 +82,14 @@ def main():
         "int8 offloaded, no prefetch": lambda: wrap(torch.optim.AdamW(params, fused=True), make_policy("8bit"),
                                                     offload=True, prefetch_budget=0),
     }
-    print("| configuration | ms, synced every step | ms, back to back |\n|---|---:|---:|")
+    print("| configuration | ms, synced every step | ms, back to back | step() host ms | hooks host ms |\n"
+          "|---|---:|---:|---:|---:|")
     keep = None
     for label, build in configs.items():
         model.load_state_dict(initial)
         opt = build()
-        synced, b2b = timings(model, tokens, opt)
-        print(f"| {label} | {synced:.1f} | {b2b:.1f} |", flush=True)
+        synced, b2b, step_host, hook_host = timings(model, tokens, opt)
+        print(f"| {label} | {synced:.1f} | {b2b:.1f} | {step_host:.1f} | {hook_host:.1f} |", flush=True)
         if "prefetch auto" in label:
             keep = opt
             print("memory_report prefetch:", opt.memory_report()["prefetch"], flush=True)
