@@ -51,3 +51,14 @@ def two_groups(model, lr=1e-3, wd=0.1):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2}]
+
+
+def bf16_param_list(shapes, seed: int = 0, device="cpu") -> torch.nn.ParameterList:
+    """Random parameters of ``shapes`` (scale 0.5), cast to bf16 by ``cast_model`` (their fp32
+    remainders seed the master weights)."""
+    from optstate_core import cast_model
+
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.ParameterList([torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(device)) for s in shapes])
+    cast_model(m)
+    return m

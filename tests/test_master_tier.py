@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import optstate_core as oc
+from helpers import bf16_param_list
 from optstate_core.master_weights import MASTER_KEY, cast_model, join
 
 pytest.importorskip("triton")
@@ -22,10 +23,7 @@ SHAPES = [(24, 256), (300,), (8, 512)]
 
 
 def model(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    m = torch.nn.ParameterList([torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(DEVICE)) for s in SHAPES])
-    cast_model(m)
-    return m
+    return bf16_param_list(SHAPES, seed, DEVICE)
 
 
 def set_grads(ps, step):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.master_weights import MASTER_KEY, cast_model, join
+from helpers import bf16_param_list
+from optstate_core.master_weights import MASTER_KEY, join
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,10 +21,7 @@ SHAPES = [(24, 700), (257,), (3, 256), (6, 130)]
 
 
 def model(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    m = torch.nn.ParameterList([torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(DEVICE)) for s in SHAPES])
-    cast_model(m)
-    return m
+    return bf16_param_list(SHAPES, seed, DEVICE)
 
 
 def set_grads(ps, seed):
@@ -73,8 +71,6 @@ def test_master_weight_kernel_matches_reference(preset, moments):
 
 def test_master_kernel_first_step_uses_the_cast_remainder_and_skips_nonfinite():
     m = model()
-    exact = [p.detach().clone() for p in model().parameters()]
-    fp32 = torch.nn.ParameterList([torch.nn.Parameter(t) for t in exact])
     g = torch.Generator().manual_seed(0)
     fp32_values = [(torch.randn(s, generator=g) * 0.5) for s in SHAPES]
     opt = oc.wrap(torch.optim.AdamW(m.parameters(), lr=0.0, weight_decay=0.0), "bf16w-8bit", fused=True)
