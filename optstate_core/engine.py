@@ -30,7 +30,7 @@ from .follow import follow_params, remember_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
 from .gradients import all_finite, collect, split_nonfinite
-from .inner import ELEMENTWISE, run_inner
+from .inner import ELEMENTWISE, group_signature, run_inner
 from .placement import Placement
 from .policy import ParamInfo, Policy
 from .schedule import StepSchedule
@@ -197,8 +197,7 @@ class Engine:
         gradients, group options that change eligibility, and the policy's decisions now."""
         parts = []
         for g in self.inner.param_groups:
-            parts.append((g.get("amsgrad"), g.get("maximize"), g.get("differentiable"), g.get("momentum"),
-                          g.get("nesterov"), isinstance(g.get("lr"), torch.Tensor)))
+            parts.append(group_signature(g))
             parts.extend((id(p), p.grad is not None, p.dtype, p.device) for p in g["params"])
         return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
 

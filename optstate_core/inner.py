@@ -11,6 +11,12 @@ ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     if hasattr(torch.optim, n))
 
 
+def group_signature(group: dict) -> tuple:
+    """The options of a param group that change which path steps its parameters (and how)."""
+    return (group.get("amsgrad"), group.get("maximize"), group.get("differentiable"), group.get("momentum"),
+            group.get("nesterov"), isinstance(group.get("lr"), torch.Tensor))
+
+
 def unhooked_step(optimizer: torch.optim.Optimizer):
     """The optimizer's ``step`` without torch's hook wrapper (our own step fires the hooks once)."""
     fn = type(optimizer).step

@@ -30,7 +30,7 @@ import torch
 
 from .dtensor import is_dtensor
 from .gradients import collect
-from .inner import run_inner
+from .inner import group_signature, run_inner
 
 log = logging.getLogger("optstate")
 
@@ -132,9 +132,8 @@ class GradientRelease:
         engine, g = self.engine, p.grad
         group = engine.inner.param_groups[self._info_of(p).group_index]
         st = engine.state.get(p)
-        return (p.dtype, p.device, g.dtype, g.shape, g.layout, g.is_contiguous(),
-                group.get("amsgrad"), group.get("maximize"), group.get("differentiable"),
-                isinstance(group.get("lr"), torch.Tensor), engine.policy.decision_key(engine.step_count),
+        return (p.dtype, p.device, g.dtype, g.shape, g.layout, g.is_contiguous(), group_signature(group),
+                engine.policy.decision_key(engine.step_count),
                 engine.skip_nonfinite, id(st), tuple(map(id, st.values())) if st is not None else ())
 
     def _cached_bucket(self, p):

@@ -216,21 +216,14 @@ class StepSchedule:
         """Update the parameters whose state backward staged (one launch, pointers = each staged
         allocation's address + cached offsets), then queue their write-back (one copy call)."""
         device = bucket.params[0].device
-        streams, transfers = self.streams(device), self.engine.transfers
+        streams = self.streams(device)
         taken = [self.area.take(id(bucket.keys[i])) for i in indices]
         self.engine.kernels.launch(staged_launch(bucket, indices, taken), flags=flags, advance=False)
-        streams.wait(streams.d2h, streams.event(None))
-        self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
         hosts = [h for entry in taken for h in entry.layout.hosts]
-        with streams.on(streams.d2h):
-            torch._foreach_copy_(hosts, [v for entry in taken for v in entry.views], non_blocking=True)
-        transfers.d2h_bytes += sum(h.numel() for h in hosts)
-        done = streams.event(streams.d2h)
+        self._write_back(streams, hosts, [v for entry in taken for v in entry.views], sum(h.numel() for h in hosts))
         if streams.cuda:  # the area goes back to the allocator once written back
             for entry in taken:
                 entry.buffer.record_stream(streams.d2h)
-        self.area.mark("writeback_end", lambda: done)
-        self.last_writeback = done
 
     def _stream_chunk(self, bucket, flags, chunk) -> None:
         """One ring chunk (:class:`~optstate_core.stage_plan.ChunkPlan`): upload, update, write-back."""
@@ -249,16 +242,22 @@ class StepSchedule:
             transfers.h2d_bytes += moved
         streams.wait(None, streams.event(streams.h2d))
         self.engine.kernels.launch(chunk.launch_bucket(bucket), flags=flags, advance=False)
+        ring.release(start, self._write_back(streams, [h for h, _ in chunk.pairs], [s for _, s in chunk.pairs],
+                                             chunk.moved))
+
+    def _write_back(self, streams, hosts, staged, nbytes: int):
+        """Queue the copies of updated ``staged`` state back to its ``hosts`` rows on the write-back
+        stream, after the update (events only); returns the event that marks them done."""
         streams.wait(streams.d2h, streams.event(None))
         self.area.mark("writeback_start", lambda: streams.event(streams.d2h))
-        with streams.on(streams.d2h):
-            for host, staged in chunk.pairs:
-                host.copy_(staged, non_blocking=True)
-        transfers.d2h_bytes += chunk.moved
+        if hosts:
+            with streams.on(streams.d2h):
+                torch._foreach_copy_(hosts, staged, non_blocking=True)
+        self.engine.transfers.d2h_bytes += nbytes
         done = streams.event(streams.d2h)
-        ring.release(start, done)
         self.area.mark("writeback_end", lambda: done)
         self.last_writeback = done
+        return done
 
     def _uploads_after(self, streams, event) -> None:
         """The upload stream waits for ``event`` (write-backs of host rows it will read), once per

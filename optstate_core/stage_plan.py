@@ -146,39 +146,36 @@ def _coalesced(pairs):
 def ring_chunks(bucket, indices: List[int], capacity: int) -> List[ChunkPlan]:
     """The chunk plans that stream parameters ``indices`` of ``bucket`` through chunks of at
     most ``capacity`` bytes, kept on the bucket while the same parameters stream; a step that streams another set (a partial prefetch) gets its own entry."""
-    cache = bucket.__dict__.setdefault("_ring_chunks", {})
-    key = (tuple(indices), capacity)
-    plans = cache.get(key)
-    if plans is None:
-        if len(cache) >= 8:
-            cache.clear()
-        plans = cache[key] = [ChunkPlan(bucket, chunk) for chunk in bucket.chunks(indices, capacity)]
-    return plans
+    return _kept(bucket, "_ring_chunks", (tuple(indices), capacity),
+                 lambda: [ChunkPlan(bucket, chunk) for chunk in bucket.chunks(indices, capacity)])
 
 
 def param_layout(bucket, i: int) -> Layout:
     """The layout of parameter ``i``'s whole state rows (its own staged allocation), cached."""
-    cache = bucket.__dict__.setdefault("_param_layouts", {})
-    layout = cache.get(i)
-    if layout is None:
-        layout = cache[i] = Layout(bucket, [(i, 0, bucket.rows[i])])
-    return layout
+    return _kept(bucket, "_param_layouts", i, lambda: Layout(bucket, [(i, 0, bucket.rows[i])]), limit=None)
 
 
 def staged_launch(bucket, indices: List[int], entries):
     """The launch over parameters ``indices`` of ``bucket`` whose state was staged in backward
     (``entries``, each in its own allocation): kept on the bucket while the same parameters are
     staged, its state tables pointed at this step's allocations."""
-    cache = bucket.__dict__.setdefault("_staged_launches", {})
-    key = tuple(indices)
-    sub = cache.get(key)
-    if sub is None:
-        if len(cache) >= 8:
-            cache.clear()
-        sub = cache[key] = bucket.sub([(i, 0, bucket.rows[i]) for i in indices], None)
+    sub = _kept(bucket, "_staged_launches", tuple(indices),
+                lambda: bucket.sub([(i, 0, bucket.rows[i]) for i in indices], None))
     sub.point_states(staged_pointers(entries))
     sub.first = bucket.first
     return sub
+
+
+def _kept(bucket, name: str, key, build, limit=8):
+    """``build()`` kept on ``bucket`` under ``name``/``key`` (at most ``limit`` keys, then
+    cleared: a step that stages another set of parameters gets its own entry)."""
+    cache = bucket.__dict__.setdefault(name, {})
+    value = cache.get(key)
+    if value is None:
+        if limit is not None and len(cache) >= limit:
+            cache.clear()
+        value = cache[key] = build()
+    return value
 
 
 def staged_pointers(entries) -> Dict[int, Tuple[list, list]]:
