@@ -163,6 +163,58 @@ def test_convergence(tmp_path, capsys):
     assert "| optstate-4bit |" in printed and "| adamw |" in printed
 
 
+def test_finetune_runs_start_from_the_pretrained_checkpoint(tmp_path):
+    """--finetune: every run (AdamW, int-moment and master-weight presets, every seed) starts from
+    the one AdamW checkpoint; with a learning rate of ~0 each ends at that checkpoint's loss on the
+    fine-tuning text (bf16w casts the weights: within bf16 rounding)."""
+    from optstate_core.apps import convergence
+    from optstate_core.apps.tinylm import TinyLM
+
+    cfg = demo.DemoConfig(steps=2, batch_size=2, seq_len=16, d_model=64, n_layers=1, n_heads=2, eval_every=2,
+                          eval_batches=1, warmup_steps=1, max_bytes=50000, device="cpu")
+    text = tmp_path / "tune.py"
+    text.write_bytes((ROOT / "optstate_core" / "engine.py").read_bytes())
+    tuned = demo.load_corpus(str(text), cfg.max_bytes)
+    state = convergence.pretrain(cfg, 30, demo.load_corpus(None, cfg.max_bytes), progress=False)
+    torch.manual_seed(123)
+    model = TinyLM.from_config(cfg)
+    scratch = demo.evaluate(model, tuned.val, demo.val_offsets(tuned, cfg), cfg)
+    model.load_state_dict(state)
+    start = demo.evaluate(model, tuned.val, demo.val_offsets(tuned, cfg), cfg)
+    assert start < scratch - 0.3  # the checkpoint learned something
+    import dataclasses
+    result = convergence.run_convergence(dataclasses.replace(cfg, lr=1e-12), ["4bit", "bf16w-8bit"], [0, 1],
+                                         progress=False, corpus=tuned, init_state=state)
+    assert [r.run for r in result.rows] == ["adamw", "optstate-4bit", "optstate-bf16w-8bit"]
+    for row in result.rows:
+        rel = 1e-2 if "bf16w" in row.run else 1e-4
+        assert row.val_losses == pytest.approx([start, start], rel=rel), row.run
+
+
+def test_finetune_command(tmp_path, capsys):
+    text = tmp_path / "tune.py"
+    text.write_bytes((ROOT / "optstate_core" / "engine.py").read_bytes())
+    assert cli.main(["bench", "--convergence", "--finetune", "--pretrain-steps", "3", "--finetune-data", str(text),
+                     "--finetune-lr", "1e-4", "--seeds", "2", *TINY, "--steps", "2", "--presets", "8bit"]) == 0
+    printed = capsys.readouterr().out
+    assert "pretraining the checkpoint: AdamW, 3 steps" in printed
+    assert f"fine-tuning from it on {text} at lr 0.0001" in printed
+    assert "| optstate-8bit |" in printed
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--finetune", "--pretrain-steps", "0"], "--pretrain-steps"),
+    (["--finetune", "--finetune-lr", "-1"], "--finetune-lr"),
+    (["--finetune-lr", "0.1"], "--finetune-lr needs --finetune"),
+    (["--finetune", "--finetune-data", "/nonexistent/dir"], "--finetune-data"),
+])
+def test_finetune_bad_input_is_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--convergence", *argv, *TINY, "--steps", "2", "--presets", "8bit"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_without_convergence_runs_the_microbenchmark(capsys):
     assert cli.main(["bench", "--scale", "0.01", "--layers", "1", "--steps", "2", "--warmup", "1",
                      "--configs", "int8", "--device", "cpu"]) == 0

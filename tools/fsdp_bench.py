@@ -19,6 +19,48 @@ from optstate_core.apps.measure import state_bytes
 from optstate_core.apps.e2e import build_model
 
 
+def profile_iterations(model, opt, tokens, path, rank):
+    """torch.profiler over 3 iterations; rank 0 writes the ops table (by self CPU time, then CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            with torch.profiler.record_function("optimizer.step"):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    if rank == 0:
+        table = prof.key_averages()
+        with open(path, "w") as f:
+            f.write(table.table(sort_by="self_cpu_time_total", row_limit=40))
+            f.write("\n")
+            f.write(table.table(sort_by="self_cuda_time_total", row_limit=25))
+        prof.export_chrome_trace(path + ".trace.json")
+    import cProfile
+    import io
+    import pstats
+
+    cprof = cProfile.Profile()
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        cprof.enable()
+        opt.step()
+        cprof.disable()
+        opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        out = io.StringIO()
+        pstats.Stats(cprof, stream=out).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(cprof, stream=out).sort_stats("tottime").print_stats(30)
+        with open(path, "a") as f:
+            f.write("\n\ncProfile of opt.step() (3 steps)\n" + out.getvalue())
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=16)
@@ -26,6 +68,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--profile", default=None,
+                        help="write a torch.profiler table of 3 optstate int8 iterations (rank 0) to this file")
+    parser.add_argument("--only", default=None, help="comma-separated configuration labels to run (default: all)")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,6 +83,8 @@ def main():
         "optstate int8 resident": lambda ps: oc.wrap(torch.optim.AdamW(ps, fused=True), "8bit"),
         "optstate int8 offloaded": lambda ps: oc.wrap(torch.optim.AdamW(ps, fused=True), "8bit", offload=True),
     }
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "torch AdamW fused"}
     rows = []
     for label, build in configs.items():
         torch.manual_seed(0)
@@ -51,7 +98,7 @@ def main():
         opt = build(params)
         tokens = torch.randint(0, 32000, (args.batch, args.seq), device=device,
                                generator=torch.Generator(device).manual_seed(rank))
-        iters, steps = [], []
+        iters, steps, hosts = [], [], []
         for i in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -60,33 +107,38 @@ def main():
             loss.backward()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            h0 = time.perf_counter()
             opt.step()
+            h1 = time.perf_counter()
             end.record()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             if i >= args.warmup:
                 iters.append((time.perf_counter() - t0) * 1e3)
                 steps.append(start.elapsed_time(end))
+                hosts.append((h1 - h0) * 1e3)
+        if args.profile and label == "optstate int8 resident":
+            profile_iterations(model, opt, tokens, args.profile, rank)
         held = state_bytes(opt)
         peak = torch.cuda.max_memory_allocated() / 2**30
-        rows.append((label, statistics.median(steps), statistics.median(iters), held, held * 8 / n_local, peak,
-                     loss.item()))
+        rows.append((label, statistics.median(steps), statistics.median(hosts), statistics.median(iters), held,
+                     held * 8 / n_local, peak, loss.item()))
         if hasattr(opt, "close"):
             opt.close()
         del model, opt, params
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:
-        ref_step, ref_iter = rows[0][1], rows[0][2]
+        ref_step, ref_iter = rows[0][1], rows[0][3]
         print(f"\nFSDP2 on {world} x {torch.cuda.get_device_name()}: Llama-shaped {n_global / 1e9:.3f}B params "
               f"({n_local / 1e9:.3f}B per rank), batch {args.batch}x{args.seq} per rank, bf16 autocast, "
               f"torch {torch.__version__}")
-        print("| configuration | optimizer step ms | x fused | iteration ms | x fused | optimizer GPU MiB per rank "
-              "| bits/param (local) | peak GiB | last loss |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for label, s, it, held, bits, peak, loss in rows:
-            print(f"| {label} | {s:.2f} | {s / ref_step:.2f} | {it:.1f} | {it / ref_iter:.2f} | {held / 2**20:.0f} "
-                  f"| {bits:.2f} | {peak:.1f} | {loss:.3f} |")
+        print("| configuration | optimizer step ms | x fused | step() host ms | iteration ms | x fused "
+              "| optimizer GPU MiB per rank | bits/param (local) | peak GiB | last loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for label, s, host, it, held, bits, peak, loss in rows:
+            print(f"| {label} | {s:.2f} | {s / ref_step:.2f} | {host:.2f} | {it:.1f} | {it / ref_iter:.2f} "
+                  f"| {held / 2**20:.0f} | {bits:.2f} | {peak:.1f} | {loss:.3f} |")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -35,7 +35,7 @@ def _demo_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from . import bench, demo
+    from . import bench, convergence, demo
     p = sub.add_parser("bench", help="optimizer-step microbenchmark; --convergence: fidelity over seeds",
                        description=_plain(bench.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(p)
@@ -49,6 +49,16 @@ def _bench_parser(sub) -> None:
     g.add_argument("--convergence", action="store_true", help="run the convergence benchmark instead")
     g.add_argument("--seeds", type=int, default=3, help="seeds per preset, at least 2 (default: %(default)s)")
     g.add_argument("--out", default=None, help="also write convergence.csv (one row per run and seed) here")
+    g.add_argument("--finetune", action="store_true",
+                   help="fine-tune from a checkpoint instead of training from scratch: AdamW pretrains one model on "
+                        "--data, every run starts from it and trains on --finetune-data")
+    g.add_argument("--pretrain-steps", type=int, default=None,
+                   help=f"with --finetune: AdamW steps of the checkpoint (default: {convergence.PRETRAIN_STEPS})")
+    g.add_argument("--finetune-data", default=None,
+                   help="with --finetune: a directory of .py files (or one text file) to fine-tune on "
+                        "(default: torch's own Python sources)")
+    g.add_argument("--finetune-lr", type=float, default=None,
+                   help="with --finetune: the fine-tuning runs' peak learning rate (default: --lr / 10)")
     demo.add_training_arguments(g, skip=("steps", "device"))
 
 

@@ -92,13 +92,20 @@ def evaluate(model: nn.Module, text: torch.Tensor, offsets: torch.Tensor, cfg: D
     return total / len(offsets)
 
 
-def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: bool = True) -> RunResult:
-    """Train one model from the config's seed with AdamW (``preset=None``) or an optstate preset."""
+def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: bool = True,
+              init_state: Optional[dict] = None, keep_state: bool = False) -> RunResult:
+    """Train one model from the config's seed with AdamW (``preset=None``) or an optstate preset.
+    ``init_state``: fp32 weights (a state_dict) to start from instead of the seed's random ones (a
+    fine-tuning run; the seed still picks the batch order); ``keep_state``: return the trained
+    weights in ``RunResult.final_state``."""
     from ..metrics import bits_per_param
     device = torch.device(cfg.device)
     name = run_name(preset)
     torch.manual_seed(cfg.seed)
-    model = TinyLM.from_config(cfg).to(device)
+    model = TinyLM.from_config(cfg)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     from ..presets import has_master_weights
     if has_master_weights(preset):  # bf16 parameters; the optimizer keeps the fp32 masters
@@ -142,8 +149,9 @@ def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: 
     if bar is not None:
         bar.close()
     state = plain_state_bytes(opt) if preset is None else opt.memory_report()["state_bytes"]
+    final_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if keep_state else None
     result = RunResult(name, preset, rows, n_params, state, bits_per_param(state, n_params),
-                       statistics.median(times[min(3, len(times) - 1):]), rows[-1]["val_loss"])
+                       statistics.median(times[min(3, len(times) - 1):]), rows[-1]["val_loss"], final_state)
     del model, opt, sched
     gc.collect()
     if cuda:

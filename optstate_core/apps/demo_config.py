@@ -53,3 +53,4 @@ class RunResult:
     bits_per_param: float
     step_ms: float  # median training step (forward + backward + optimizer step)
     final_val_loss: float
+    final_state: Optional[dict] = None  # the model's state_dict on the CPU (only when asked: keep_state=True)
