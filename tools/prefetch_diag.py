@@ -78,31 +78,43 @@ def main():
         "forward+backward only": lambda: None,
         "torch AdamW fused": lambda: torch.optim.AdamW(params, fused=True),
         "int8 offloaded, prefetch auto": lambda: wrap(torch.optim.AdamW(params, fused=True), make_policy("8bit"),
-                                                      offload=True),
+                                                      offload=True, prefetch_budget="auto"),
         "int8 offloaded, no prefetch": lambda: wrap(torch.optim.AdamW(params, fused=True), make_policy("8bit"),
                                                     offload=True, prefetch_budget=0),
     }
     print("| configuration | ms, synced every step | ms, back to back | step() host ms | hooks host ms |\n"
           "|---|---:|---:|---:|---:|")
-    keep = None
+    kept = {}
     for label, build in configs.items():
         model.load_state_dict(initial)
         opt = build()
         synced, b2b, step_host, hook_host = timings(model, tokens, opt)
         print(f"| {label} | {synced:.1f} | {b2b:.1f} | {step_host:.1f} | {hook_host:.1f} |", flush=True)
-        if "prefetch auto" in label:
-            keep = opt
+        if "offloaded" in label:
+            kept[label] = opt
             print("memory_report prefetch:", opt.memory_report()["prefetch"], flush=True)
         elif opt is not None and hasattr(opt, "close"):
             opt.close()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            train_step(model, tokens, keep)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
-    prof.export_chrome_trace(os.path.join(args.out, "prefetch_trace.json"))
+    import subprocess
+    import sys
+    from torch.profiler import ProfilerActivity, profile, record_function
+    for label, opt in kept.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):  # back to back, labelled for tools/trace_timeline.py
+                with record_function("fwd"), torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                with record_function("bwd"):
+                    loss.backward()
+                with record_function("step"):
+                    opt.step()
+                model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        print(f"\n## {label}: profiler, 3 iterations back to back")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        path = os.path.join(args.out, label.replace(" ", "_").replace(",", "") + "_trace.json")
+        prof.export_chrome_trace(path)
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "trace_timeline.py"), path], check=False)
+        os.remove(path)
 
 
 if __name__ == "__main__":
