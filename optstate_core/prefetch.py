@@ -2,9 +2,11 @@
 
 On the micro-batch that ends an accumulation window, each parameter's post-accumulate-grad hook
 may stage that parameter's encoded state on the device (:meth:`StepSchedule.prefetch
-<optstate_core.schedule.StepSchedule.prefetch>`). The staged copy is not a permanent buffer: it
-is one allocation per parameter from the caching allocator, made on the compute stream during
-backward (so it reuses memory that backward has just freed), handed back after the step's
+<optstate_core.schedule.StepSchedule.prefetch>`). Parameters are queued per bucket and uploaded
+in **slabs**: when a bucket's queued state reaches :data:`SLAB_BYTES` (or its last parameter's
+gradient has arrived), one allocation from the caching allocator, made on the compute stream
+during backward (so it reuses memory that backward has just freed), receives them in a few long
+copies (:class:`~optstate_core.stage_plan.SlabPlan`). A slab is handed back after the step's
 write-back of it has been queued (``record_stream`` on the write-back stream, then the reference
 is dropped), so the next forward can use that memory again.
 
@@ -27,7 +29,8 @@ or writer syncs first).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+import os
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -36,6 +39,9 @@ from .units import parse_bytes
 AUTO = "auto"
 AUTO_FRACTION = 0.9  # of the memory the first measured backward freed
 PHASES = ("backward", "step", "behind_forward")
+# bytes of queued state that start a slab upload: large enough that a step makes few allocations
+# and copy calls (a 0.95B model's int8 state: ~30 slabs), small enough that uploads start early
+SLAB_BYTES = int(os.environ.get("OPTSTATE_SLAB_MB", 64)) << 20
 
 
 def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str]:
@@ -51,18 +57,37 @@ def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str
                          f"got {value!r}") from None
 
 
+class Slab:
+    """One upload of several parameters' state: its device allocation and its
+    :class:`~optstate_core.stage_plan.SlabPlan` (layout and merged copy ranges)."""
+
+    __slots__ = ("buffer", "plan")
+
+    def __init__(self, buffer, plan):
+        self.buffer, self.plan = buffer, plan
+
+
 class Staged:
-    """One parameter's staged state: its device allocation, its layout there
-    (:class:`~optstate_core.stage_plan.Layout`), the byte views its copies use, and the host
-    payloads it copies (to check they are still the parameter's state)."""
+    """One parameter's staged state: its slab, its piece position there, and the host payloads
+    it copies (to check they are still the parameter's state)."""
 
-    __slots__ = ("buffer", "layout", "views", "sources", "nbytes")
+    __slots__ = ("slab", "piece", "sources")
 
-    def __init__(self, buffer, layout, views, sources, nbytes):
-        self.buffer, self.layout, self.views, self.sources, self.nbytes = buffer, layout, views, sources, nbytes
+    def __init__(self, slab: Slab, piece: int, sources):
+        self.slab, self.piece, self.sources = slab, piece, sources
 
     def matches(self, storages) -> bool:
         return len(storages) == len(self.sources) and all(a is b for a, b in zip(storages, self.sources))
+
+
+class Queued:
+    """A bucket's parameters admitted to the area whose upload has not started: (index, key)
+    pairs and their bytes; and how many of the bucket's parameters reached their hook."""
+
+    __slots__ = ("bucket", "items", "nbytes", "arrived")
+
+    def __init__(self, bucket):
+        self.bucket, self.items, self.nbytes, self.arrived = bucket, [], 0, 0
 
 
 class PrefetchArea:
@@ -71,7 +96,9 @@ class PrefetchArea:
     def __init__(self, budget: Union[int, str] = AUTO):
         self.budget = budget
         self.entries: Dict[int, Staged] = {}  # id(param) -> staged state
-        self.used = 0  # bytes staged now
+        self.queued: Dict[int, Queued] = {}  # id(bucket) -> parameters waiting for their slab
+        self.queued_keys = set()  # id(param) of every queued parameter
+        self.used = 0  # bytes staged or queued now
         self.measured: Optional[int] = None  # "auto" on CUDA: the derived byte budget
         self._probe: Optional[int] = None  # allocated bytes at this backward's first hook
         self.window_bytes = 0  # bytes uploaded by hooks since the last step
@@ -107,10 +134,33 @@ class PrefetchArea:
         limit = self.limit(device)
         return limit is None or self.used + nbytes <= limit
 
-    def add(self, key: int, staged: Staged, moved: int) -> None:
-        self.entries[key] = staged
-        self.used += staged.nbytes
-        self.window_bytes += moved
+    def arrive(self, bucket) -> Queued:
+        """A parameter of ``bucket`` reached its hook: its bucket's queue (created on first use)."""
+        queue = self.queued.get(id(bucket))
+        if queue is None:
+            queue = self.queued[id(bucket)] = Queued(bucket)
+        queue.arrived += 1
+        return queue
+
+    def enqueue(self, queue: Queued, i: int, key: int, nbytes: int) -> None:
+        """Admit parameter ``i`` (``key`` = id of the parameter) for the bucket's next slab."""
+        queue.items.append((i, key))
+        queue.nbytes += nbytes
+        self.queued_keys.add(key)
+        self.used += nbytes
+
+    def holds(self, key: int) -> bool:
+        """Whether this parameter is staged or queued in this window."""
+        return key in self.entries or key in self.queued_keys
+
+    def staged(self, slab: Slab, keys: List[int], backward: bool) -> None:
+        """A slab's upload was queued: its parameters (``keys``, in the plan's index order) are
+        staged; its bytes count for the backward phase unless uploaded from ``step()``."""
+        for j, key in enumerate(keys):
+            self.entries[key] = Staged(slab, j, slab.plan.layout.sources[j])
+            self.queued_keys.discard(key)
+        if backward:
+            self.window_bytes += slab.plan.moved
 
     def take(self, key: int) -> Staged:
         return self.entries.pop(key)
@@ -125,9 +175,11 @@ class PrefetchArea:
             self._events[which] = event
 
     def drop(self) -> None:
-        """Discard every staged copy (the host state is unchanged; the memory returns to the
-        allocator once the uploads into it have finished, see ``record_stream``)."""
+        """Discard every staged copy and queue (the host state is unchanged; the memory returns
+        to the allocator once the uploads into it have finished, see ``record_stream``)."""
         self.entries.clear()
+        self.queued.clear()
+        self.queued_keys.clear()
         self.used = 0
         self.window_bytes = 0
         self._probe = None
@@ -146,7 +198,8 @@ class PrefetchArea:
     def __getstate__(self):
         """Copies and pickles keep the budget and its measurement, not staged copies or events."""
         state = dict(self.__dict__)
-        state.update(entries={}, used=0, _probe=None, window_bytes=0, _events={}, _last_events={})
+        state.update(entries={}, queued={}, queued_keys=set(), used=0, _probe=None, window_bytes=0, _events={},
+                     _last_events={})
         return state
 
     def report(self) -> dict:

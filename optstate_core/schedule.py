@@ -24,8 +24,9 @@ from typing import Dict, Optional
 
 import torch
 
-from .prefetch import AUTO, PrefetchArea, Staged
-from .stage_plan import param_layout, ring_chunks, staged_launch
+from . import prefetch as prefetch_area
+from .prefetch import AUTO, PrefetchArea, Slab
+from .stage_plan import param_bytes, ring_chunks, slab_plan, staged_launch
 from .transfer import StagingRing, Streams
 
 log = logging.getLogger("optstate")
@@ -110,15 +111,14 @@ class StepSchedule:
             self.release(param)
 
     def prefetch(self, param) -> None:
-        """Backward hook: stage this parameter's offloaded state in the prefetch area, if the
-        budget has room (one allocation, made on the compute stream; the upload waits for it and
-        for the previous step's write-backs, on the device). Layout and host views are cached
-        (:func:`~optstate_core.stage_plan.param_layout`): one copy call per parameter."""
+        """Backward hook: admit this parameter's offloaded state to the prefetch area if the
+        budget has room, queued for its bucket's next slab; upload the slab once it holds
+        :data:`~optstate_core.prefetch.SLAB_BYTES` or the bucket's last gradient has arrived."""
         located = self._where.get(id(param))
         if located is None or not self.boundary.will_step:
             return
         area, device = self.area, param.device
-        if id(param) in area.entries:
+        if area.holds(id(param)):
             if not self.boundary.known:  # a second backward before the step, and no boundary marks
                 self._stop_unmarked()
             return
@@ -126,20 +126,35 @@ class StepSchedule:
             return
         area.observe_hook(device)
         bucket, i = located
-        layout = param_layout(bucket, i)
-        if not area.admits(layout.nbytes, device):
-            return
+        queue = area.arrive(bucket)
+        nbytes = param_bytes(bucket, i)
+        if area.admits(nbytes, device):
+            area.enqueue(queue, i, id(param), nbytes)
+        if queue.items and (queue.nbytes >= prefetch_area.SLAB_BYTES or queue.arrived >= len(bucket.keys)):
+            self._upload_slab(queue, backward=True)
+
+    def _upload_slab(self, queue, backward: bool) -> None:
+        """Upload a bucket's queued parameters as one slab: one allocation on the compute stream
+        (the upload waits for it and for the previous step's write-backs, on the device), one
+        copy call of merged ranges (:class:`~optstate_core.stage_plan.SlabPlan`, cached)."""
+        bucket, items = queue.bucket, queue.items
+        queue.items, queue.nbytes = [], 0
+        plan = slab_plan(bucket, [i for i, _ in items])
+        key_of = dict(items)
+        device = bucket.params[0].device
         streams = self.streams(device)
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)  # on the compute stream
-        views = layout.byte_views(buffer)
+        buffer = torch.empty(plan.layout.nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        hosts, views, _ = plan.copies(buffer)
         streams.wait(streams.h2d, streams.event(None))  # the block may be memory backward kernels still use
         self._uploads_after(streams, self.last_writeback)  # the host rows the last step is writing back
-        area.mark("upload_start", lambda: streams.event(streams.h2d))
+        self.area.mark("upload_start", lambda: streams.event(streams.h2d))
         with streams.on(streams.h2d):
-            torch._foreach_copy_(views, layout.hosts, non_blocking=True)
+            torch._foreach_copy_(views, hosts, non_blocking=True)
         if streams.cuda:
             buffer.record_stream(streams.h2d)
-        area.add(id(param), Staged(buffer, layout, views, layout.sources[0], layout.nbytes), sum(layout.sizes))
+        if not backward:
+            self.engine.transfers.h2d_bytes += plan.moved
+        self.area.staged(Slab(buffer, plan), [key_of[i] for i in plan.indices], backward)
 
     def index_offloaded(self, buckets) -> None:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks); the
@@ -159,7 +174,7 @@ class StepSchedule:
     def drop_prefetch(self) -> None:
         """Discard staged copies (zero_grad without a step, checkpoints, state moves): the host
         state is the truth and stays unchanged."""
-        if self.area.entries:
+        if self.area.entries or self.area.queued:
             self.area.drop()
 
     def end_step(self, metrics, transfers) -> None:
@@ -185,6 +200,9 @@ class StepSchedule:
             return
         device = streamed[0].params[0].device
         ring, streams = self.ring(device), self.streams(device)
+        for queue in list(self.area.queued.values()):  # admitted, but their slab never filled in backward
+            if queue.items:
+                self._upload_slab(queue, backward=False)
         # Uploads of this step wait for the previous step's write-backs (step_writeback, set by
         # end_step): within a step chunks are disjoint, so uploads and write-backs overlap (PCIe
         # duplex), also across the per-parameter runs of gradient release.
@@ -213,17 +231,26 @@ class StepSchedule:
         ring.head = 0  # the same offsets every step: chunk plans and pointer tables stay cached
 
     def _launch_prefetched(self, bucket, flags, indices) -> None:
-        """Update the parameters whose state backward staged (one launch, pointers = each staged
-        allocation's address + cached offsets), then queue their write-back (one copy call)."""
+        """Update the parameters whose state backward staged (one launch, pointers = their slab's
+        address + cached offsets), then queue their write-back (one copy call: a slab taken whole
+        writes back its merged ranges, a partly taken one its parameters' own)."""
         device = bucket.params[0].device
         streams = self.streams(device)
         taken = [self.area.take(id(bucket.keys[i])) for i in indices]
         self.engine.kernels.launch(staged_launch(bucket, indices, taken), flags=flags, advance=False)
-        hosts = [h for entry in taken for h in entry.layout.hosts]
-        self._write_back(streams, hosts, [v for entry in taken for v in entry.views], sum(h.numel() for h in hosts))
-        if streams.cuda:  # the area goes back to the allocator once written back
-            for entry in taken:
-                entry.buffer.record_stream(streams.d2h)
+        slabs: Dict[int, list] = {}
+        for entry in taken:
+            slabs.setdefault(id(entry.slab), [entry.slab, []])[1].append(entry.piece)
+        hosts, views, moved = [], [], 0
+        for slab, pieces in slabs.values():
+            h, v, n = slab.plan.copies(slab.buffer, None if len(pieces) == len(slab.plan.indices) else pieces)
+            hosts += h
+            views += v
+            moved += n
+        self._write_back(streams, hosts, views, moved)
+        if streams.cuda:  # the slabs go back to the allocator once written back
+            for slab, _ in slabs.values():
+                slab.buffer.record_stream(streams.d2h)
 
     def _stream_chunk(self, bucket, flags, chunk) -> None:
         """One ring chunk (:class:`~optstate_core.stage_plan.ChunkPlan`): upload, update, write-back."""

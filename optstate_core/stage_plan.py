@@ -8,8 +8,10 @@ A :class:`Layout` places the state rows of some row pieces of a bucket like the 
 adjacent buffer bytes. A :class:`ChunkPlan` is one ring chunk of a streamed bucket: its layout,
 its staged views at its ring offset, its coalesced copies and its launch (a sub-bucket whose
 pointer tables stay cached); :func:`ring_chunks` keeps a bucket's chunk plans while the same
-parameters stream. A prefetched parameter (staged in its own allocation during backward) uses
-the layout of its whole rows: byte views for its copies, base address + offsets for the kernel.
+parameters stream. Parameters prefetched during backward are staged in slabs
+(:class:`SlabPlan`): several whole parameters of a bucket in one allocation, laid out in arena
+order so that their copies coalesce into a few long ranges each way; the kernel reads them at
+the slab's address + cached offsets.
 """
 from __future__ import annotations
 
@@ -150,15 +152,77 @@ def ring_chunks(bucket, indices: List[int], capacity: int) -> List[ChunkPlan]:
                  lambda: [ChunkPlan(bucket, chunk) for chunk in bucket.chunks(indices, capacity)])
 
 
-def param_layout(bucket, i: int) -> Layout:
-    """The layout of parameter ``i``'s whole state rows (its own staged allocation), cached."""
-    return _kept(bucket, "_param_layouts", i, lambda: Layout(bucket, [(i, 0, bucket.rows[i])]), limit=None)
+def param_bytes(bucket, i: int) -> int:
+    """Staged bytes of parameter ``i``'s whole state rows (16-byte padded payloads), cached."""
+    return _kept(bucket, "_param_bytes", i, lambda: bucket.piece_bytes((i, 0, bucket.rows[i])), limit=None)
+
+
+class SlabPlan:
+    """Whole parameters ``indices`` of a bucket staged together in one device allocation: their
+    :class:`Layout` in arena order (adjacent host rows stay adjacent) and its copies merged into
+    byte ranges ``(host bytes, offset, nbytes)``; per parameter, its own ranges (for a partial
+    write-back) and its piece position (for the kernel's pointers)."""
+
+    __slots__ = ("indices", "layout", "ranges", "piece_ranges", "piece_of", "piece_moved", "moved")
+
+    def __init__(self, bucket, indices: Sequence[int]):
+        self.indices = sorted(indices)
+        self.layout = Layout(bucket, [(i, 0, bucket.rows[i]) for i in self.indices])
+        self.piece_of = {i: j for j, i in enumerate(self.indices)}
+        slots = [(j, off, rows.reshape(-1).view(torch.uint8)) for j, _, _, off, rows in self.layout.slots
+                 if rows.numel()]
+        self.ranges = _merged_ranges([(off, host) for _, off, host in slots])
+        self.piece_ranges = [_merged_ranges([(off, host) for j, off, host in slots if j == piece])
+                             for piece in range(len(self.indices))]
+        # state bytes each way (the merged copies also carry the 16-byte padding between payloads)
+        self.piece_moved = [sum(host.numel() for j, _, host in slots if j == piece)
+                            for piece in range(len(self.indices))]
+        self.moved = sum(self.piece_moved)
+
+    def copies(self, buffer: torch.Tensor, pieces=None):
+        """(host byte views, matching views of ``buffer``, state bytes) of the whole slab, or of
+        ``pieces`` only."""
+        if pieces is None:
+            ranges, moved = self.ranges, self.moved
+        else:
+            ranges = [r for j in pieces for r in self.piece_ranges[j]]
+            moved = sum(self.piece_moved[j] for j in pieces)
+        return [h for h, _, _ in ranges], [buffer[o:o + n] for _, o, n in ranges], moved
+
+
+def _merged_ranges(slots):
+    """``(offset, host bytes)`` slots in layout order -> ``(host bytes, offset, nbytes)`` ranges,
+    merging a slot into the previous one when both sides continue it (up to the 16-byte padding)."""
+    out = []
+    for off, host in slots:
+        n = host.numel()
+        if out:
+            prev, poff, pn = out[-1]
+            hs, ps = host.storage_offset(), prev.storage_offset()
+            gap = -(-pn // PAD) * PAD
+            if (host.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr() and hs == ps + gap
+                    and off == poff + gap):
+                out[-1] = (_host_bytes(prev, ps, gap + n), poff, gap + n)
+                continue
+        out.append((host, off, n))
+    return out
+
+
+def _host_bytes(like: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of ``nbytes`` bytes of ``like``'s storage from byte ``start``."""
+    return torch.empty(0, dtype=torch.uint8, device=like.device).set_(like.untyped_storage(), start, (nbytes,))
+
+
+def slab_plan(bucket, indices: Sequence[int]) -> SlabPlan:
+    """The slab plan of parameters ``indices`` of ``bucket``, kept while the same set is staged."""
+    key = tuple(sorted(indices))
+    return _kept(bucket, "_slab_plans", key, lambda: SlabPlan(bucket, key), limit=64)
 
 
 def staged_launch(bucket, indices: List[int], entries):
     """The launch over parameters ``indices`` of ``bucket`` whose state was staged in backward
-    (``entries``, each in its own allocation): kept on the bucket while the same parameters are
-    staged, its state tables pointed at this step's allocations."""
+    (``entries``, in slabs): kept on the bucket while the same parameters are staged, its state
+    tables pointed at this step's allocations."""
     sub = _kept(bucket, "_staged_launches", tuple(indices),
                 lambda: bucket.sub([(i, 0, bucket.rows[i]) for i in indices], None))
     sub.point_states(staged_pointers(entries))
@@ -179,15 +243,15 @@ def _kept(bucket, name: str, key, build, limit=8):
 
 
 def staged_pointers(entries) -> Dict[int, Tuple[list, list]]:
-    """Per state: the kernel's pointer lists (main payload, scales or 0) for prefetched entries,
-    each staged in its own allocation: the allocation's address plus the layout's offsets."""
+    """Per state: the kernel's pointer lists (main payload, scales or 0) for prefetched entries:
+    their slab's address plus the slab layout's offsets of their piece."""
     out: Dict[int, Tuple[list, list]] = {}
     for entry in entries:
-        base = entry.buffer.data_ptr()
-        for k, (mains, scales) in entry.layout.pointer_offsets().items():
+        base, j = entry.slab.buffer.data_ptr(), entry.piece
+        for k, (mains, scales) in entry.slab.plan.layout.pointer_offsets().items():
             m, s = out.setdefault(k, ([], []))
-            m.append(_address(base, mains[0]))
-            s.append(_address(base, scales[0]))
+            m.append(_address(base, mains[j]))
+            s.append(_address(base, scales[j]))
     return out
 
 

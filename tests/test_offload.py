@@ -174,7 +174,7 @@ def test_prefetch_during_backward_only_on_steps():
     # prefetch needs a cached plan (from the second step on) and only happens on the last micro-batch
     windows = " ".join(str(u) for u in uploads).split("step")
     assert all(set(w.split()) <= {"0"} for w in windows[:2])
-    assert any("1" in w.split() for w in windows[2:4])
+    assert all(sum(map(int, w.split())) > 0 for w in windows[2:4])  # staged (in slabs) during backward
     assert not path.prefetched  # all consumed by the steps
 
 

@@ -312,3 +312,88 @@ def test_unmarked_accumulation_stops_backward_uploads():
     assert schedule.prefetched
     assert torch.equal(flat_params(model), flat_params(twin))
     assert_same_state(opt, ref)
+
+
+def _slabs(opt):
+    """The distinct slabs of the parameters staged so far in this window."""
+    return {id(e.slab): e.slab for e in opt._engine.schedule.prefetched.values()}.values()
+
+
+@pytest.mark.parametrize("slab_bytes", [None, 1], ids=["one-slab", "slab-per-parameter"])
+def test_slabs_stage_several_parameters_in_merged_copies(slab_bytes, monkeypatch):
+    """Backward stages the bucket's parameters in slabs: by default both weights share one slab
+    whose copies merge adjacent host rows (fewer ranges than payload slots); with a tiny slab size
+    each parameter gets its own. Either way the steps stay bit-identical to resident state."""
+    from optstate_core import prefetch
+    if slab_bytes is not None:
+        monkeypatch.setattr(prefetch, "SLAB_BYTES", slab_bytes)
+    model, opt, twin, ref = twins()
+    for step in range(6):
+        backward(model, batch(step))
+        backward(twin, batch(step))
+        if step >= 2:
+            slabs = list(_slabs(opt))
+            assert len(slabs) == (1 if slab_bytes is None else 2)
+            if slab_bytes is None:
+                plan = slabs[0].plan
+                assert plan.indices == [0, 1]
+                assert len(plan.ranges) < len(plan.layout.slots)
+        step_pair(opt, ref)
+        assert torch.equal(flat_params(model), flat_params(twin)), step
+        assert_same_state(opt, ref)
+        if step >= 2:
+            assert phase_bytes(opt)["step"] == 0
+
+
+def test_slab_not_filled_in_backward_uploads_in_step():
+    """A bucket whose last gradient never reached its hook keeps its admitted parameters queued;
+    step() uploads them first (counted as step-phase bytes) and the result is unchanged."""
+    model, opt, twin, ref = twins()
+    for step in range(5):
+        if step < 3:
+            backward(model, batch(step))
+        else:  # gradients set directly; only w1's hook "runs"
+            for m in (model, twin):
+                gen = torch.Generator().manual_seed(step)
+                m.w1.grad = torch.randn(8, 256, generator=gen) * 0.01
+                m.w2.grad = torch.randn(8, 256, generator=gen) * 0.01
+            opt._engine.schedule.prefetch(model.w1)
+            assert not opt._engine.schedule.prefetched and opt._engine.schedule.area.queued_keys
+        if step < 3:
+            backward(twin, batch(step))
+        step_pair(opt, ref)
+        assert torch.equal(flat_params(model), flat_params(twin)), step
+        assert_same_state(opt, ref)
+        if step >= 3:
+            phases = phase_bytes(opt)
+            assert phases["backward"] == 0 and phases["step"] == phases["behind_forward"] > 0
+            assert not opt._engine.schedule.area.queued_keys
+
+
+def test_slab_plan_copies_whole_or_per_parameter():
+    """A slab plan's merged copies move exactly the host payload bytes into the layout; copying
+    one parameter's ranges leaves the other's region untouched."""
+    from optstate_core.stage_plan import slab_plan
+    model, opt, _, _ = twins()
+    for step in range(3):
+        backward(model, batch(step))
+        opt.step()
+        opt.zero_grad()
+    (bucket,) = [b for b in opt._engine._plan_cache[1] if b.plan["offload"]]
+    plan = slab_plan(bucket, [1, 0])
+    for pieces in (None, [1]):
+        buffer = torch.zeros(plan.layout.nbytes, dtype=torch.uint8)
+        hosts, views, moved = plan.copies(buffer, pieces)
+        for h, v in zip(hosts, views):
+            v.copy_(h)
+        staged = plan.layout.encoded(bucket, buffer, 0)
+        expected = 0
+        for j, i in enumerate(plan.indices):
+            for k, enc in enumerate(bucket.storages[i]):
+                for name, host in enc.payload.items():
+                    if pieces is None or j in pieces:
+                        assert torch.equal(staged[j][k].payload[name], host), (i, k, name)
+                        expected += host.numel() * host.element_size()
+                    else:
+                        assert not staged[j][k].payload[name].view(torch.uint8).any()
+        assert moved == expected
