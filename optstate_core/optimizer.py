@@ -69,10 +69,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
             its update runs at once in ``step()``: ``"auto"`` (on CUDA 0.9 of the memory the
             first measured backward freed, see :mod:`optstate_core.prefetch`; the ring alone
             until then), a byte count (``"2GB"``), or ``0`` (off: all offloaded state streams
-            through the staging ring in ``step()``). Default ``None``: off, or ``"auto"`` with
-            ``prefetch_during_backward=True`` (measured slower than off on an H100 so far:
-            BENCHMARKS.md section 10). Allocated during backward and
-            handed back after the step's write-backs; not part of ``gpu_budget``.
+            through the staging ring in ``step()``). Default ``None``: ``"auto"`` (``0`` with
+            ``prefetch_during_backward=False`` or ``release_gradients=True``). Allocated during
+            backward in slabs and handed back after the step's write-backs; not part of ``gpu_budget``.
         prefetch_during_backward: superseded by ``prefetch_budget`` (kept working): ``False``
             means ``prefetch_budget=0``, ``True`` turns it on (``"auto"`` unless a budget is given).
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
@@ -134,8 +133,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
         staging_bytes = parse_bytes(staging_bytes, "staging_bytes")
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be True or False, got {offload!r}")
-        if prefetch_budget is None:  # off by default: on an H100 it still costs more host time than it hides
-            prefetch_budget = AUTO if prefetch_during_backward else 0
+        if prefetch_budget is None:  # on by default (BENCHMARKS.md section 12: hides the transfers)
+            prefetch_budget = 0 if prefetch_during_backward is False else AUTO
         else:
             prefetch_budget = check_prefetch_budget(prefetch_budget)
         if prefetch_during_backward is not None and not isinstance(prefetch_during_backward, bool):

@@ -174,7 +174,8 @@ def test_prefetch_during_backward_only_on_steps():
     # prefetch needs a cached plan (from the second step on) and only happens on the last micro-batch
     windows = " ".join(str(u) for u in uploads).split("step")
     assert all(set(w.split()) <= {"0"} for w in windows[:2])
-    assert all(sum(map(int, w.split())) > 0 for w in windows[2:4])  # staged (in slabs) during backward
+    # staged (in slabs) during backward; on a GPU "auto" measures its budget in window 2 first
+    assert any(sum(map(int, w.split())) > 0 for w in windows[2:4])
     assert not path.prefetched  # all consumed by the steps
 
 

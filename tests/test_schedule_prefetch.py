@@ -249,7 +249,7 @@ def test_offload_reload_and_state_reads_with_staged_state():
 
 def test_prefetch_budget_option():
     model = make_model()
-    assert make_opt(model, offload=True)._engine.schedule.area.budget == 0  # off by default
+    assert make_opt(model, offload=True)._engine.schedule.area.budget == "auto"  # on by default
     assert make_opt(model, offload=True, prefetch_during_backward=True)._engine.schedule.area.budget == "auto"
     assert make_opt(model, offload=True, prefetch_budget="auto")._engine.schedule.area.budget == "auto"
     assert make_opt(model, offload=True, prefetch_budget="1MB")._engine.schedule.area.budget == 10**6

@@ -131,7 +131,7 @@ def configs(staging):
                                   staging_bytes=staging, **options)
     return {
         "int8 resident": ours(),
-        "int8 offloaded": ours(offload=True),
+        "int8 offloaded, prefetch off": ours(offload=True, prefetch_budget=0),
         "int8 offloaded, prefetch auto": ours(offload=True, prefetch_budget="auto"),
     }
 

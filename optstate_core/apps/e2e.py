@@ -54,12 +54,12 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
         "optstate int8 resident": ours("8bit"),
         "optstate 4bit resident": ours("4bit"),
-        # offloaded rows: the default (state streams in step()) and backward-time prefetch beside it
-        "optstate int8 offloaded": ours("8bit", offload=True),
-        "optstate int8 offloaded, prefetch auto": ours("8bit", offload=True, prefetch_budget="auto"),
-        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB": ours("4bit", gpu_budget=budget),
-        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB, prefetch auto":
-            ours("4bit", gpu_budget=budget, prefetch_budget="auto"),
+        # offloaded rows: the default (backward-time prefetch, "auto") and the staging ring alone beside it
+        "optstate int8 offloaded, prefetch auto (default)": ours("8bit", offload=True),
+        "optstate int8 offloaded, prefetch off": ours("8bit", offload=True, prefetch_budget=0),
+        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB, prefetch auto (default)": ours("4bit", gpu_budget=budget),
+        f"optstate 4bit, gpu_budget={budget / 2**30:.2f} GiB, prefetch off":
+            ours("4bit", gpu_budget=budget, prefetch_budget=0),
     }
     if compare:
         try:
