@@ -188,3 +188,23 @@ def test_arithmetic_decodes_equal_the_tables_bit_for_bit():
             table = codec.tables("cpu")[2]
             got = codec.values_of(codes[:16])
             assert torch.equal(got.view(torch.int32), table.view(torch.int32)), (signed, power)
+
+
+@pytest.mark.parametrize("power", [2, 4, 6])
+def test_int4_stochastic_bracket_equals_the_table_search(power):
+    """The stochastic 4-bit encoder of non-negative states finds each value's bracketing levels
+    by arithmetic; at every level, one float32 step either side, and random values in [0, 1] it
+    gives the table search's level index and the table's level values, bit for bit."""
+    from optstate_core.codecs.int4 import Int4Codec
+    codec = Int4Codec(signed=False, power=power, stochastic_rounding=True)
+    assert codec.integer_power == power
+    levels = codec.levels
+    y = torch.cat([levels, torch.nextafter(levels, torch.full_like(levels, 2.0)),
+                   torch.nextafter(levels, torch.full_like(levels, -2.0)),
+                   torch.rand(20000, generator=torch.Generator().manual_seed(power)) ** power,
+                   torch.rand(20000, generator=torch.Generator().manual_seed(power + 1))]).clamp(0.0, 1.0)
+    lo, l0, l1 = codec._bracket(y)
+    expected = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
+    assert torch.equal(lo, expected)
+    assert torch.equal(l0.view(torch.int32), levels[expected].view(torch.int32))
+    assert torch.equal(l1.view(torch.int32), levels[expected + 1].view(torch.int32))

@@ -25,10 +25,11 @@ def profile_iterations(model, opt, tokens, path, rank):
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.profiler.record_function("fwd"), torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            with torch.profiler.record_function("optimizer.step"):
+            with torch.profiler.record_function("bwd"):
+                loss.backward()
+            with torch.profiler.record_function("step"):
                 opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -38,7 +39,14 @@ def profile_iterations(model, opt, tokens, path, rank):
             f.write(table.table(sort_by="self_cpu_time_total", row_limit=40))
             f.write("\n")
             f.write(table.table(sort_by="self_cuda_time_total", row_limit=25))
-        prof.export_chrome_trace(path + ".trace.json")
+        trace = path + ".trace.json"
+        prof.export_chrome_trace(trace)
+        import subprocess
+        import sys
+        with open(path, "a") as f:
+            f.write("\n" + subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "trace_timeline.py"),
+                                           trace, "--kernels", "step"], capture_output=True, text=True).stdout)
+        os.remove(trace)
     import cProfile
     import io
     import pstats

@@ -40,17 +40,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--gap-ms", type=float, default=0.3)
+    ap.add_argument("--kernels", default=None, help="list the GPU ops inside this range's GPU spans, by total time")
     args = ap.parse_args()
     events = load(args.trace)
     cpu = [r for r in ranges(events, "user_annotation") if not r[2].startswith(("Optimizer.", "ProfilerStep"))]
     gpu = ranges(events, "gpu_user_annotation")
     streams = defaultdict(list)  # stream -> [(start, end, kind, bytes)]
+    gpu_ops = []
     for e in events:
         if e.get("cat") in GPU_CATS:
             a = e.get("args", {})
             kind = e["cat"] if e["cat"] != "gpu_memcpy" else ("HtoD" if "HtoD" in e["name"] else
                                                                "DtoH" if "DtoH" in e["name"] else "DtoD")
             streams[a.get("stream", e.get("tid"))].append((e["ts"], e["ts"] + e["dur"], kind, a.get("bytes", 0)))
+            gpu_ops.append((e["ts"], e["dur"], e["name"]))
+    if args.kernels:
+        spans = [(a, b) for a, b, n in gpu if n == args.kernels]
+        totals = defaultdict(lambda: [0, 0.0])
+        for ts, dur, name in gpu_ops:
+            if any(a <= ts < b for a, b in spans):
+                totals[name[:90]][0] += 1
+                totals[name[:90]][1] += dur / 1e3
+        print(f"GPU ops inside the {len(spans)} GPU spans of {args.kernels!r} "
+              f"({sum((b - a) for a, b in spans) / 1e3:.2f} ms in all):")
+        for name, (count, ms_) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:15]:
+            print(f"  {ms_:8.3f} ms  {count:5d}x  {name}")
     t0 = min([r[0] for r in cpu + gpu] or [0])
     ms = lambda t: (t - t0) / 1e3  # noqa: E731
     compute = max(streams, key=lambda s: sum(1 for x in streams[s] if x[2] == "kernel")) if streams else None

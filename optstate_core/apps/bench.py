@@ -79,6 +79,8 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
         "optstate int8, nearest rounding": Config("int8_nearest", _wrapped_policy(
             lambda: __import__("optstate_core").make_policy("8bit", momentum_codec="int8", variance_codec="int8"))),
         "optstate 4bit": Config("4bit", _wrapped("4bit")),
+        "optstate 4bit, nearest rounding": Config("4bit_nearest", _wrapped_policy(
+            lambda: __import__("optstate_core").make_policy("4bit", momentum_codec="int4", variance_codec="int4"))),
         "optstate int8 offloaded": Config("int8_offload", _wrapped("8bit", offload=True), offloaded=True),
         "optstate fp32 offloaded": Config("fp32_offload", _wrapped("fp32", offload=True), offloaded=True),
         "optstate fp32, skip_nonfinite=False": Config("fp32_nocheck", _wrapped("fp32", skip_nonfinite=False)),

@@ -147,12 +147,37 @@ class Int4Codec(Codec):
         y = y.clamp(-1.0, 1.0) if self.is_signed else y.clamp(0.0, 1.0)
         if rbits is None:
             return torch.bucketize(y, mids)
-        lo = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
-        l0, l1 = levels[lo], levels[lo + 1]
+        if self.integer_power and not self.is_signed:
+            lo, l0, l1 = self._bracket(y)
+        else:
+            lo = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
+            l0, l1 = levels[lo], levels[lo + 1]
         p = (y - l0) / (l1 - l0)
         u = (rbits >> 8).to(torch.float32) * 2.0 ** -24
         code = lo + (u < p).to(torch.int64)
         return code if self.is_signed else torch.where(y > 0, code.clamp_min(1), code)
+
+    def _bracket(self, y: torch.Tensor):
+        """``(lo, levels[lo], levels[lo + 1])`` with ``lo`` the largest level <= ``y`` (clamped to
+        0..14) for the non-negative integer-power levels ``j**p * c``, by arithmetic (as the
+        kernels: no table search, no gather): ``floor(15 y ** (1/p))`` is ``lo`` or one off, exact
+        comparisons with the levels beside it decide. The same values as the table's."""
+        p, c = self.integer_power, int4_scale(False, self.effective_power)
+
+        def level(j):
+            out = j
+            for _ in range(p - 1):
+                out = out * j
+            return out * c
+
+        e0 = torch.floor(y.pow(1.0 / p) * 15.0).clamp(max=14.0)
+        la, lb = level(e0), level(e0 + 1.0)
+        down = la > y
+        up = (lb <= y) & (e0 < 14.0)
+        lc = level(torch.where(down, e0 - 1.0, e0 + 2.0))
+        l0 = torch.where(down, lc, torch.where(up, lb, la))
+        l1 = torch.where(down, la, torch.where(up, lc, lb))
+        return (e0 - down.to(e0.dtype) + up.to(e0.dtype)).to(torch.int64), l0, l1
 
     def encode_into(self, x, out, rounding=None):
         rows, cols = x.shape

@@ -285,6 +285,33 @@ def encode_int4_unsigned(y, INV_POW: tl.constexpr, POW: tl.constexpr, FINITE: tl
 
 
 @triton.jit
+def encode_int4_unsigned_sr(y, rbits, INV_POW: tl.constexpr, POW: tl.constexpr):
+    """Stochastically rounded codes for the levels ``(j / 15) ** p`` (even integer p), as
+    codecs/int4.py codes_of: ``lo`` = the largest level <= y (clamped to 0..14), then ``lo + 1``
+    with probability ``(y - l0) / (l1 - l0)``; a positive value never gets code 0.
+
+    ``e0 = floor(15 y ** (1/p))`` is ``lo`` or one off (the root is approximate); exact
+    comparisons with the levels on both sides decide, every level being an exact integer times
+    one float32 constant (the table's values), so the codes equal the reference's."""
+    y = tl.where(y == y, y, 0.0)
+    y = tl.minimum(tl.maximum(y, 0.0), 1.0)
+    c = 1.0 / 15 ** POW
+    e0 = tl.minimum(tl.floor(int4_root(y, INV_POW) * 15.0), 14.0)
+    la = ipow(e0, POW) * c
+    lb = ipow(e0 + 1.0, POW) * c
+    down = la > y
+    up = (lb <= y) & (e0 < 14.0)
+    lc = ipow(tl.where(down, e0 - 1.0, e0 + 2.0), POW) * c
+    l0 = tl.where(down, lc, tl.where(up, lb, la))
+    l1 = tl.where(down, la, tl.where(up, lc, lb))
+    lo = e0.to(tl.int32) - down.to(tl.int32) + up.to(tl.int32)
+    p = tl.math.div_rn(y - l0, l1 - l0)
+    u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
+    code = lo + (u < p).to(tl.int32)
+    return tl.where(y > 0, tl.maximum(code, 1), code)
+
+
+@triton.jit
 def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: tl.constexpr,
                 SR: tl.constexpr, INV_POW: tl.constexpr, POW: tl.constexpr = 0, FINITE: tl.constexpr = False):
     """Codes of values normalized by their block absmax (codecs/int4.py codes_of), in the low 4
@@ -299,6 +326,8 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
             return encode_int4_signed(y, INV_POW, POW, FINITE)
         else:
             return encode_int4_unsigned(y, INV_POW, POW, FINITE)
+    if POW != 0 and SR and not SIGNED:
+        return encode_int4_unsigned_sr(y, rbits, INV_POW, POW)
     y = tl.where(y == y, y, 0.0)
     if SIGNED:
         y = tl.minimum(tl.maximum(y, -1.0), 1.0)

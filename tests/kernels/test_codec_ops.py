@@ -124,6 +124,25 @@ def test_int4_codes_at_the_midpoints_match_torch(nonnegative, power, clean):
         torch.testing.assert_close(decoded, enc.decode(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("clean", [False, True])
+@pytest.mark.parametrize("power", [None, 2.0])
+def test_int4_stochastic_codes_at_the_levels_match_torch(power, clean):
+    """The arithmetic stochastic 4-bit encoder of a non-negative state (its root estimate is
+    corrected by exact comparisons with the levels) at every level and one float32 step either
+    side, and at random values: the same codes as the torch codec's table search."""
+    codec = oc.Int4Codec(power=power, stochastic_rounding=True).specialize(True)
+    assert codec.integer_power
+    levels = codec.levels
+    vals = torch.cat([levels, torch.nextafter(levels, torch.full_like(levels, 2.0)),
+                      torch.nextafter(levels, torch.full_like(levels, -2.0))]).clamp(0, 1)
+    n = vals.numel()
+    assert n <= 127
+    x = torch.rand(4, 128, generator=torch.Generator().manual_seed(7)) ** 4
+    x[:, 0] = 1.0
+    x[0, 1:n + 1] = vals
+    check_twin(codec, [x.reshape(2, 256).to(DEVICE)], True, clean)
+
+
 def check_twin(codec, xs, nonnegative, clean=False):
     """Encode and decode with the kernels, bit for bit against the torch codec. ``clean``: the
     fused Adam step's fast path (aligned tiles, store_state's FINITE and WHOLE): every row a
