@@ -97,7 +97,7 @@ def run(accelerator, mode, out_dir, rank, world):
                 "state": {k: getattr(v, "_local_tensor", v).cpu() for k, v in oc_tensors(vopt.state_dict())}},
                os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     gathered = accelerator.gather(torch.tensor([[vopt.memory_report()["state_bytes"], vopt.step_count]],
-                                               dtype=torch.float64))
+                                               dtype=torch.float64, device=accelerator.device)).cpu()  # NCCL: on the GPU
     result.update(state_bytes_per_rank=gathered[:, 0].tolist(), steps=gathered[:, 1].tolist(), norms=norms)
 
     if mode == "full":
