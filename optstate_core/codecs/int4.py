@@ -7,6 +7,11 @@
   below ~2.9e-39, whose reciprocal overflows: such a block is stored as zeros); nearest is
   decided in the log domain (geometric midpoints), the domain in which ``sqrt(v)`` errors matter.
 
+With stochastic rounding a value between levels ``l0 <= y < l1`` gets the upper code with
+probability ``(y - l0) / (l1 - l0)`` from its 24 random bits ``u`` (for the non-negative
+integer-power levels decided as ``u * (l1 - l0) < y - l0``, without a division, in the kernels
+and here alike).
+
 Element ``2i`` of a row goes to the low nibble of byte ``i``, element ``2i + 1`` to the high
 nibble. Encoding is ``bucketize(x * (1 / absmax))`` against fixed float32 midpoints; the Triton
 kernel uses the same midpoints and the same rounded reciprocal, so codes are identical. With the
@@ -147,14 +152,14 @@ class Int4Codec(Codec):
         y = y.clamp(-1.0, 1.0) if self.is_signed else y.clamp(0.0, 1.0)
         if rbits is None:
             return torch.bucketize(y, mids)
-        if self.integer_power and not self.is_signed:
+        u = (rbits >> 8).to(torch.float32) * 2.0 ** -24
+        if self.integer_power and not self.is_signed:  # the kernels' arithmetic way (no table, no division)
             lo, l0, l1 = self._bracket(y)
+            code = lo + (u * (l1 - l0) < y - l0).to(torch.int64)
         else:
             lo = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
             l0, l1 = levels[lo], levels[lo + 1]
-        p = (y - l0) / (l1 - l0)
-        u = (rbits >> 8).to(torch.float32) * 2.0 ** -24
-        code = lo + (u < p).to(torch.int64)
+            code = lo + (u < (y - l0) / (l1 - l0)).to(torch.int64)
         return code if self.is_signed else torch.where(y > 0, code.clamp_min(1), code)
 
     def _bracket(self, y: torch.Tensor):

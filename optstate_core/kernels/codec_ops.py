@@ -305,9 +305,8 @@ def encode_int4_unsigned_sr(y, rbits, INV_POW: tl.constexpr, POW: tl.constexpr):
     l0 = tl.where(down, lc, tl.where(up, lb, la))
     l1 = tl.where(down, la, tl.where(up, lc, lb))
     lo = e0.to(tl.int32) - down.to(tl.int32) + up.to(tl.int32)
-    p = tl.math.div_rn(y - l0, l1 - l0)
     u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
-    code = lo + (u < p).to(tl.int32)
+    code = lo + (u * (l1 - l0) < y - l0).to(tl.int32)  # u < (y - l0) / (l1 - l0), without the division
     return tl.where(y > 0, tl.maximum(code, 1), code)
 
 
