@@ -175,7 +175,8 @@ class Int4Codec(Codec):
                 out = out * j
             return out * c
 
-        e0 = torch.floor(y.pow(1.0 / p) * 15.0).clamp(max=14.0)
+        root = y.sqrt() if p == 2 else y.sqrt().sqrt() if p == 4 else y.pow(1.0 / p)  # as the kernels'
+        e0 = torch.floor(root * 15.0).clamp(max=14.0)
         la, lb = level(e0), level(e0 + 1.0)
         down = la > y
         up = (lb <= y) & (e0 < 14.0)
