@@ -20,6 +20,16 @@ are released, so ``clip_mode`` chooses:
   (no lag, but the global norm may reach ``sqrt(n_tensors) * max_grad_norm``).
 
 ``last_grad_norm`` is the global 2-norm of the last step's gradients before clipping (a tensor).
+
+Under FSDP2 the hook is the one FSDP2 calls on each sharded parameter after its reduce-scatter
+(on its post-reduce stream, so the update is ordered after the reduced gradient and before the
+next forward's all-gather): each rank updates its local shard. Norms are taken over local
+shards; the global norm (``last_grad_norm`` and the ``"previous"`` factor) sums their squares
+over the ranks in one all-reduce of one number per step, at the end of ``step()``. Clipping
+that needs a tensor's own norm before that (``"per_tensor"``, and the first step of
+``"previous"``) clips each local shard to ``max_grad_norm`` (without a collective per
+parameter). NaN/inf skipping is per 256-element block of the local shard (fused kernels) or per
+parameter across ranks (other paths), as without release.
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .dtensor import is_dtensor
+from .dtensor import is_dtensor, local
 from .gradients import collect
 from .inner import group_signature, run_inner
 
@@ -70,6 +80,7 @@ class GradientRelease:
         self._infos: Dict[int, object] = {}
         self._buckets: Dict[int, tuple] = {}  # id(param) -> (its one-parameter bucket, _bucket_key)
         self.released = 0  # parameters updated in backward this step
+        self.group = None  # FSDP2: the process group whose ranks hold the shards (set by check_release_supported)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
@@ -159,6 +170,7 @@ class GradientRelease:
 
     # -- clipping ----------------------------------------------------------------------------------
     def _clip_one(self, grad: torch.Tensor) -> None:
+        grad = local(grad)  # FSDP2: the local shard (no collective per parameter)
         norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
         self._norms.append(norm)  # one launch per gradient; summed once (norm_so_far, after_step)
         if self.max_grad_norm is None:
@@ -177,7 +189,10 @@ class GradientRelease:
             return None
         device = self._norms[0].device
         norms = torch.stack([n.to(device) for n in self._norms])
-        return torch.sqrt(torch.where(torch.isfinite(norms), norms * norms, torch.zeros_like(norms)).sum())
+        squares = torch.where(torch.isfinite(norms), norms * norms, torch.zeros_like(norms)).sum()
+        if self.group is not None:  # FSDP2: local shards' squares summed over the ranks
+            torch.distributed.all_reduce(squares, group=self.group)
+        return torch.sqrt(squares)
 
     def before_step(self, params) -> None:
         """In ``step()``, before the update of the gradients still present: global clipping, or
@@ -215,9 +230,16 @@ def check_release_supported(engine, params) -> None:
                          "parameter is updated in backward already")
     if engine.placement.gpu_budget is not None:
         raise ValueError("release_gradients=True does not support gpu_budget yet (use offload=True or no budget)")
-    if any(is_dtensor(p) for p in params):
-        raise ValueError("release_gradients=True does not support FSDP2 (DTensor) parameters yet")
+    sharded = [p for p in params if is_dtensor(p)]
+    if sharded:
+        mesh = sharded[0].device_mesh
+        if len(sharded) != len(params) or mesh.ndim != 1 or any(p.device_mesh != mesh for p in sharded):
+            raise ValueError("release_gradients=True with DTensor parameters needs every parameter sharded by FSDP2 "
+                             "over one 1-D device mesh")
+        engine.gradient_release.group = sharded[0].device_mesh.get_group()
+        return
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1:
-        raise ValueError("release_gradients=True under data parallelism would update parameters before their "
-                         "gradients are all-reduced (the hook runs on the local gradient); it needs one process")
+        raise ValueError("release_gradients=True under data parallelism (e.g. DDP) would update parameters before "
+                         "their gradients are all-reduced (the hook runs on the local gradient); use FSDP2 "
+                         "(fully_shard), whose hooks run after the reduce-scatter, or one process")

@@ -90,6 +90,9 @@ def main():
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
         "optstate int8 resident": lambda ps: oc.wrap(torch.optim.AdamW(ps, fused=True), "8bit"),
         "optstate int8 offloaded": lambda ps: oc.wrap(torch.optim.AdamW(ps, fused=True), "8bit", offload=True),
+        # updates each local shard in the hook FSDP2 calls after its reduce-scatter; clipping "previous"
+        "optstate int8 + gradient release": lambda ps: oc.wrap(torch.optim.AdamW(ps, fused=True), "8bit",
+                                                               release_gradients=True, max_grad_norm=1.0),
     }
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "torch AdamW fused"}
