@@ -56,7 +56,9 @@ class OptStateCallback(TrainerCallback):
       which micro-batch's backward ends in an optimizer step (prefetch of offloaded state runs
       only there).
     - Clipping: with ``release_gradients`` the Trainer's ``max_grad_norm`` goes to the optimizer
-      (its own clipping after backward would see no gradient) and the Trainer's is turned off.
+      (its own clipping after backward would see no gradient) and the Trainer's is turned off;
+      the logged ``grad_norm`` (which the Trainer measures after backward, i.e. over no gradient)
+      is replaced by the optimizer's ``last_grad_norm``, the step's pre-clip global norm.
     - Warmup switching: feeds each logged training loss (``logs["loss"]``, averaged over ranks
       and so identical on all of them) to an ``AdaptiveWarmupPolicy``; the policy's phase is
       part of the optimizer's state_dict (``optimizer.pt``), so a resumed run stays in it.
@@ -103,8 +105,11 @@ class OptStateCallback(TrainerCallback):
             return
         if self.feed_loss and opt.policy.wants_loss:
             opt.observe_loss(logs["loss"])
-        if self.log_metrics:
-            metrics = opt.log_metrics(self.prefix)
+        metrics = opt.log_metrics(self.prefix) if self.log_metrics else {}
+        if "grad_norm" in logs and opt.release_gradients and opt.last_grad_norm is not None:
+            # the Trainer's norm after backward saw only released (freed) gradients, i.e. 0
+            metrics["grad_norm"] = float(opt.last_grad_norm)
+        if metrics:
             logs.update(metrics)
             # The Trainer appended a copy of these logs to log_history just before on_log.
             entry = state.log_history[-1] if state.log_history else None

@@ -36,6 +36,10 @@ def test_trainer_clipping_is_routed_to_the_optimizer(tmp_path, one_thread):
     assert trainer.args.max_grad_norm == 0.0  # the Trainer no longer clips (it would see no gradient)
     assert spy.alive == [0, 0, 0]  # every gradient was applied and freed in backward
     assert opt.step_count == 3 and opt.last_grad_norm is not None and float(opt.last_grad_norm) > 1e-3
+    # the logged grad_norm is the optimizer's pre-clip global norm (the Trainer's own saw no gradient: 0)
+    logged = [(e["step"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e]
+    assert logged and all(g > 1e-3 for _, g in logged)
+    assert logged[-1][0] == 3 and logged[-1][1] == pytest.approx(float(opt.last_grad_norm))
     unclipped, model2, _ = _train(tmp_path / "b", 0.0, "release_gradients=true,clip_mode=per_tensor")
     assert optstate_hf.find_virtual_optimizer(unclipped.optimizer).max_grad_norm is None
     assert not torch.equal(flat_params(model), flat_params(model2))  # the clipping did act
