@@ -119,7 +119,7 @@ def hint_bytes_per_param(c: Contender) -> float:
     spec = PRESETS[c.preset]
     moment = {"fp32": 4.0, "bf16": 2.0, "int4": 0.5}
     state = 0.0 if c.offload or spec.get("device_resident") is False else \
-        sum(moment.get(spec.get(k) if isinstance(spec.get(k), str) else "int8", 1.0)
+        sum(moment.get(spec.get(k) if isinstance(spec.get(k), str) else getattr(spec.get(k), "name", "int8"), 1.0)
             for k in ("momentum_codec", "variance_codec")) + \
         (0.0 if spec.get("master_tier") == "host" else {"corr16": 2.0, "corr8": 1.0}.get(spec.get("master_correction"), 0.0))
     weights = 2.0 if c.weights == torch.bfloat16 else 6.0  # fp32 weights + their bf16 autocast copies
