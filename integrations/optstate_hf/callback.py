@@ -57,8 +57,9 @@ class OptStateCallback(TrainerCallback):
       only there).
     - Clipping: with ``release_gradients`` the Trainer's ``max_grad_norm`` goes to the optimizer
       (its own clipping after backward would see no gradient) and the Trainer's is turned off;
-      the logged ``grad_norm`` (which the Trainer measures after backward, i.e. over no gradient)
-      is replaced by the optimizer's ``last_grad_norm``, the step's pre-clip global norm.
+      the logged ``grad_norm`` (which the Trainer measures after backward, i.e. over no gradient,
+      or on transformers 4.x does not log without its own clipping) is the optimizer's
+      ``last_grad_norm``, the step's pre-clip global norm.
     - Warmup switching: feeds each logged training loss (``logs["loss"]``, averaged over ranks
       and so identical on all of them) to an ``AdaptiveWarmupPolicy``; the policy's phase is
       part of the optimizer's state_dict (``optimizer.pt``), so a resumed run stays in it.
@@ -106,8 +107,9 @@ class OptStateCallback(TrainerCallback):
         if self.feed_loss and opt.policy.wants_loss:
             opt.observe_loss(logs["loss"])
         metrics = opt.log_metrics(self.prefix) if self.log_metrics else {}
-        if "grad_norm" in logs and opt.release_gradients and opt.last_grad_norm is not None:
-            # the Trainer's norm after backward saw only released (freed) gradients, i.e. 0
+        if opt.release_gradients and opt.last_grad_norm is not None:
+            # the Trainer's norm after backward saw only released (freed) gradients (0), or, on
+            # transformers 4.x, is not logged once its own clipping is off: the optimizer's norm
             metrics["grad_norm"] = float(opt.last_grad_norm)
         if metrics:
             logs.update(metrics)
