@@ -1,4 +1,4 @@
-"""CPU fast path: Adam/AdamW on encoded state as one decode-update-encode call per parameter.
+"""CPU fast path: Adam/AdamW on encoded state as one decode-update-encode call per batch of row slices.
 
 The tiled reference step (``tiled.py``) decodes a tile, runs the inner optimizer on views and
 encodes the result, op by op; on a CPU the codec arithmetic (int64 rounding hash, block
@@ -8,7 +8,8 @@ codec change flows through) around the arithmetic of ``torch.optim.Adam``'s sing
 step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops when it can be,
 else run eagerly. Compiled code is specialized per row width (:func:`slab_width`: 256-wide rows
 for most weight matrices) with only the row count symbolic, so block sizes and widths are
-constants of its loops.
+constants of its loops, and steps ``MAX_BATCH`` row slices a call (of one or several parameters;
+padded with empty ones), which shares the fixed cost of a compiled call among small parameters.
 
 Results: eager execution performs the same torch operations on the same float32 values as
 the reference, so it is bit-identical to it. Compiled code rounds a few float operations
@@ -66,14 +67,14 @@ DECAY, LERP_WEIGHT, BETA2, ONE_MINUS_BETA2, BC2_SQRT, EPS, NEG_STEP_SIZE = range
 
 
 def adam_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                 decoupled: bool) -> torch.Tensor:
+                 decoupled: bool) -> List[float]:
     """The scalars of ``_single_tensor_adam`` at this step, computed as torch computes them
-    (Python floats) and rounded to float32 as its CPU kernels round them."""
+    (Python floats); a row of the ``hyper`` tensor, which rounds them to float32 as torch's CPU
+    kernels round them."""
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     decay = 1 - lr * weight_decay if decoupled else 1.0
-    return torch.tensor([decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5, eps,
-                         -(lr / bias_correction1)], dtype=torch.float32)
+    return [decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5, eps, -(lr / bias_correction1)]
 
 
 def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_payload: dict, hyper: torch.Tensor,
@@ -141,6 +142,20 @@ _FAILED: set = set()
 ROW_GRANULARITY = 256
 #: distinct static widths compiled per codec pair before further widths share one dynamic-width graph
 MAX_STATIC_WIDTHS = 8
+#: row slices one compiled call steps (``OPTSTATE_CPU_BATCH``; a shorter batch is padded with
+#: empty slices): small parameters share the per-call cost of compiled code (guards, wrappers:
+#: ~0.1 ms), one graph per class; compilation takes longer with it (~6 s a slice for int8)
+MAX_BATCH = 4
+
+
+def batch_size() -> int:
+    """Slices per compiled call: ``OPTSTATE_CPU_BATCH`` (1 compiles fastest), else ``MAX_BATCH``."""
+    value = os.environ.get("OPTSTATE_CPU_BATCH")
+    if value is None:
+        return MAX_BATCH
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"OPTSTATE_CPU_BATCH must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def slab_width(cols: int) -> int:
@@ -151,23 +166,24 @@ def slab_width(cols: int) -> int:
     return ROW_GRANULARITY if cols % ROW_GRANULARITY == 0 else cols
 
 
-def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: bool) -> Callable:
-    """The step for one combination of codecs and flags over 2-D row slices. Compiled with rows
-    of a static ``width``: the width, block sizes and every constant are compiled in (inner loops
-    with static trip counts) and only the row counts, marked by :func:`_mark_sizes`, are
-    symbolic; ``width=None``: row counts and widths symbolic (one graph for the widths beyond
-    ``MAX_STATIC_WIDTHS``), block sizes still constants."""
-    key = (m_codec, v_codec, maximize, width, compiled)
+def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: bool, batch: int = 1) -> Callable:
+    """The step for one combination of codecs and flags over ``batch`` 2-D row slices at once.
+    Compiled with rows of a static ``width``: the width, block sizes and every constant are
+    compiled in (inner loops with static trip counts) and only the row counts, marked by
+    :func:`_mark_sizes`, are symbolic; ``width=None``: row counts and widths symbolic (one graph
+    for the widths beyond ``MAX_STATIC_WIDTHS``), block sizes still constants."""
+    key = (m_codec, v_codec, maximize, width, compiled, batch)
     fn = _STEPPERS.get(key)
     if fn is None:
         for codec in (m_codec, v_codec):  # fill the codecs' lookup-table caches outside the trace
             codec.encode(torch.zeros(1, codec.granularity)).decode()
 
-        def fn(p, g, m_payload, v_payload, hyper, keys, offset):
-            adam_step_encoded(p, g, m_payload, v_payload, hyper, keys, offset, m_codec=m_codec, v_codec=v_codec,
-                              maximize=maximize)
+        def fn(ps, gs, m_payloads, v_payloads, hyper, meta):
+            for i in range(len(ps)):  # unrolled by the compiler: the batch size is part of the key
+                adam_step_encoded(ps[i], gs[i], m_payloads[i], v_payloads[i], hyper[i], meta[i, :2], meta[i, 2],
+                                  m_codec=m_codec, v_codec=v_codec, maximize=maximize)
         # a code object of its own: dynamo keeps its graphs per code object and its recompile
-        # limit (8) would otherwise count every codec pair and width of the process together
+        # limit (8) would otherwise count every codec pair, width and batch size of the process together
         fn.__code__ = fn.__code__.replace(co_name=f"optstate_cpu_step_{len(_STEPPERS)}")
         if compiled:  # static by default: Python ints (block sizes, width) are compiled in
             fn = torch.compile(fn, backend=inductor_backend, dynamic=False, fullgraph=True)
@@ -208,13 +224,24 @@ def _eligible(engine, w) -> bool:
 
 
 # -- the entry point -------------------------------------------------------------------------------
+class _Slice:
+    """One row slice of one parameter: the arguments of one ``adam_step_encoded`` call."""
+
+    __slots__ = ("p", "g", "m", "v", "hyper", "meta", "nbytes")
+
+    def __init__(self, p, g, m, v, hyper, meta, nbytes):
+        self.p, self.g, self.m, self.v, self.hyper, self.meta, self.nbytes = p, g, m, v, hyper, meta, nbytes
+
+
 def run_cpu_fast(engine, works: List) -> List:
     """Step the works this path can take (Adam/AdamW, CPU, encoded state); return the rest for
-    the tiled reference path. Called by the engine after non-finite gradients were dropped."""
+    the tiled reference path. Called by the engine after non-finite gradients were dropped.
+    Row slices of the same codecs and shape class are stepped in batches (:func:`_batches`)."""
     if not works or not enabled():
         return works
     inner = engine.inner
-    rest, done = [], 0
+    rest, done = [], []
+    by_class: Dict[tuple, List[_Slice]] = {}
     t0 = time.perf_counter()
     for w in works:
         group = inner.param_groups[w.info.group_index]
@@ -223,47 +250,72 @@ def run_cpu_fast(engine, works: List) -> List:
             _log_once(f"CPU fast path off: {reason}")
             rest.append(w)
             continue
-        if not _eligible(engine, w) or not _step_one(engine, w, group):
+        slices = _slices(engine, w, group) if _eligible(engine, w) else None
+        if slices is None:
             rest.append(w)
             continue
-        done += 1
-    if done:
-        engine.metrics.inner_step_ms += (time.perf_counter() - t0) * 1e3
+        flags, parts = slices
+        by_class.setdefault(flags, []).extend(parts)
+        done.append(w)
+    if not done:
+        return rest
+    metrics = engine.metrics
+    with torch.no_grad(), _shape_config():
+        size = batch_size()
+        for flags, parts in by_class.items():
+            for batch in _batches(parts, engine.chunk_bytes, size):
+                _run(flags, batch, size)
+                metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, sum(s.nbytes for s in batch))
+            metrics.chunks += len(parts)
+            metrics.tiles += len(parts)
+    for w in done:
+        new_step = w.state["step"].clone()
+        new_step += 1
+        w.state["step"] = new_step
+        engine.state[w.key] = w.state
+    metrics.inner_step_ms += (time.perf_counter() - t0) * 1e3
     return rest
 
 
-def _step_one(engine, w, group) -> bool:
-    """Step one parameter in row slices whose decoded state (m and v in fp32, ``MATERIALIZED``
-    bytes per element) stays under ``chunk_bytes``; False (nothing done) when one row exceeds it."""
+def _slices(engine, w, group):
+    """``(flags, row slices)`` of one parameter, each slice's decoded state (m and v in fp32,
+    ``MATERIALIZED`` bytes per element) under ``chunk_bytes``; None (the tiled path) when one
+    row exceeds it. ``flags``: (m codec, v codec, maximize, row width of the compiled class)."""
     width = slab_width(w.cols)
     per_row = MATERIALIZED * width
     if per_row > engine.chunk_bytes:
-        return False
+        return None
     rows = w.rows * w.cols // width
     rows_per_call = max(1, engine.chunk_bytes // per_row)
     m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
-    step_t = w.state["step"]
     beta1, beta2 = group["betas"]
     hyper = adam_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                         float(group["weight_decay"]), float(step_t) + 1, _decoupled(engine.inner, group))
-    keys = torch.tensor([_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)],
-                        dtype=torch.int64)
+                         float(group["weight_decay"]), float(w.state["step"]) + 1, _decoupled(engine.inner, group))
+    keys = [_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)]
     flags = (m_enc.codec, v_enc.codec, bool(group.get("maximize")), width)
+    flags = flags[:3] + (_class_width(flags),)
     p, g = w.param.detach().view(rows, width), w.grad.detach().view(rows, width)
     m_rows, v_rows = _payload_rows(m_enc.payload, rows), _payload_rows(v_enc.payload, rows)
+    parts = []
     for r0 in range(0, rows, rows_per_call):
         r1 = min(rows, r0 + rows_per_call)
-        offset = torch.tensor(w.offset + r0 * width, dtype=torch.int64)
-        _run(flags, (p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_rows.items()},
-                     {k: t[r0:r1] for k, t in v_rows.items()}, hyper, keys, offset))
-        engine.metrics.chunks += 1
-        engine.metrics.tiles += 1
-        engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, (r1 - r0) * per_row)
-    new_step = step_t.clone()
-    new_step += 1
-    w.state["step"] = new_step
-    engine.state[w.key] = w.state
-    return True
+        parts.append(_Slice(p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_rows.items()},
+                            {k: t[r0:r1] for k, t in v_rows.items()}, hyper, keys + [w.offset + r0 * width],
+                            (r1 - r0) * per_row))
+    return flags, parts
+
+
+def _batches(parts: List[_Slice], chunk_bytes: int, size: int):
+    """Consecutive slices in batches of up to ``size`` whose decoded state together stays under
+    ``chunk_bytes`` (a slice at the limit goes alone)."""
+    i = 0
+    while i < len(parts):
+        n, total = 0, 0
+        while i + n < len(parts) and n < size and (n == 0 or total + parts[i + n].nbytes <= chunk_bytes):
+            total += parts[i + n].nbytes
+            n += 1
+        yield parts[i:i + n]
+        i += n
 
 
 def _payload_rows(payload: dict, rows: int) -> dict:
@@ -271,30 +323,45 @@ def _payload_rows(payload: dict, rows: int) -> dict:
     return {k: t.view(rows, -1) for k, t in payload.items()}
 
 
-def _run(flags, args) -> None:
-    """The compiled step when compilation is wanted and works, else the same step eagerly.
-    ``flags``: (m codec, v codec, maximize, row width); ``args``: 2-D row slices."""
+def _run(flags, batch: List[_Slice], size: int) -> None:
+    """The compiled step of a batch (padded to ``size`` slices) when compilation is wanted
+    and works, else the same step eagerly. ``flags``: (m codec, v codec, maximize, row width of
+    the class or None)."""
     m_codec, v_codec, maximize, width = flags
-    with torch.no_grad():
-        if compile_wanted() and flags not in _FAILED:
-            try:
-                static = _static_width(flags)
-                t = time.perf_counter()
-                with _shape_config():
-                    _stepper(m_codec, v_codec, maximize, static, compiled=True)(*_mark_sizes(args, static is None))
-                _note_compile(flags, time.perf_counter() - t)
-                return
-            except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
-                _FAILED.add(flags)
-                log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
-                            m_codec.name, v_codec.name, e)
-        _stepper(m_codec, v_codec, maximize, width, compiled=False)(*args)
+    compiled = compile_wanted() and flags not in _FAILED
+    if compiled:
+        batch = batch + [_padding(batch[0])] * (size - len(batch))
+    args = ([s.p for s in batch], [s.g for s in batch], [s.m for s in batch], [s.v for s in batch],
+            torch.tensor([s.hyper for s in batch], dtype=torch.float32),
+            torch.tensor([s.meta for s in batch], dtype=torch.int64))
+    if compiled:
+        try:
+            t = time.perf_counter()
+            _stepper(m_codec, v_codec, maximize, width, True, len(batch))(*_mark_sizes(args, width is None))
+            _note_compile(flags, len(batch), time.perf_counter() - t)
+            return
+        except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
+            _FAILED.add(flags)
+            log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
+                        m_codec.name, v_codec.name, e)
+        batch = [s for s in batch if s.p.shape[0]]
+        args = ([s.p for s in batch], [s.g for s in batch], [s.m for s in batch], [s.v for s in batch],
+                args[4][:len(batch)], args[5][:len(batch)])
+    _stepper(m_codec, v_codec, maximize, width, False, len(batch))(*args)
+
+
+def _padding(like: _Slice) -> _Slice:
+    """A slice of no rows shaped like ``like`` (its own empty tensors: no aliasing between inputs)."""
+    def empty(t):
+        return torch.empty((0,) + tuple(t.shape[1:]), dtype=t.dtype)
+    return _Slice(empty(like.p), empty(like.g), {k: empty(t) for k, t in like.m.items()},
+                  {k: empty(t) for k, t in like.v.items()}, like.hyper, like.meta, 0)
 
 
 _STATIC_WIDTHS: Dict[tuple, set] = {}
 
 
-def _static_width(flags) -> Optional[int]:
+def _class_width(flags) -> Optional[int]:
     """The row width as a constant of the compiled code (the common case), or None once this codec
     pair has ``MAX_STATIC_WIDTHS`` others (odd widths then share one graph instead of compiling
     each)."""
@@ -309,8 +376,9 @@ def _static_width(flags) -> Optional[int]:
 def _mark_sizes(args, widths_too: bool):
     """Mark the row count (and with ``widths_too`` the width) of every 2-D argument symbolic
     for the compiler: one graph for any number of rows (and any width)."""
-    p, g, m_payload, v_payload = args[:4]
-    for t in (p, g, *m_payload.values(), *v_payload.values()):
+    ps, gs, m_payloads, v_payloads = args[:4]
+    tensors = [*ps, *gs, *(t for d in m_payloads for t in d.values()), *(t for d in v_payloads for t in d.values())]
+    for t in tensors:
         for dim in ((0, 1) if widths_too else (0,)):
             torch._dynamo.maybe_mark_dynamic(t, dim)
     return args
@@ -329,11 +397,12 @@ def _decoupled(inner, group) -> bool:
 _COMPILE_SECONDS: Dict[tuple, float] = {}
 
 
-def _note_compile(flags, seconds: float) -> None:
-    """Log the first (compiling) call of each combination."""
-    if flags not in _COMPILE_SECONDS:
-        _COMPILE_SECONDS[flags] = seconds
-        log.info("optstate: CPU fast path compiled for %s/%s in %.1f s", flags[0].name, flags[1].name, seconds)
+def _note_compile(flags, batch: int, seconds: float) -> None:
+    """Log the first (compiling) call of each combination and batch size."""
+    if (flags, batch) not in _COMPILE_SECONDS:
+        _COMPILE_SECONDS[flags, batch] = seconds
+        log.info("optstate: CPU fast path compiled for %s/%s (%d slices a call) in %.1f s",
+                 flags[0].name, flags[1].name, batch, seconds)
 
 
 def _key(engine, w, key: str, codec) -> int:

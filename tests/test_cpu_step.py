@@ -186,6 +186,56 @@ def test_each_stepper_has_its_own_code_object(monkeypatch):
     from optstate_core.codecs.int8 import Int8Codec
     monkeypatch.setattr(cpu_step, "_STEPPERS", {})
     m, v = Int8Codec().specialize(False), Int8Codec().specialize(True)
-    steppers = [cpu_step._stepper(m, v, maximize, width, compiled=False)
-                for maximize in (False, True) for width in (128, 256, 300, 1001, None)]
+    steppers = [cpu_step._stepper(m, v, maximize, width, compiled=False, batch=batch)
+                for maximize in (False, True) for width in (128, 256, 300, 1001, None) for batch in (1, 4)]
     assert len({id(f.__code__) for f in steppers}) == len(steppers)
+
+
+def test_batches_respect_the_batch_size_and_chunk_bytes():
+    parts = [cpu_step._Slice(None, None, {}, {}, [], [], n) for n in (10, 10, 10, 10, 10, 35, 10, 40, 5)]
+    sizes = [[s.nbytes for s in b] for b in cpu_step._batches(parts, 40, 4)]
+    assert sizes == [[10, 10, 10, 10], [10], [35], [10], [40], [5]]
+    assert [len(b) for b in cpu_step._batches(parts, 10 ** 6, 4)] == [4, 4, 1]
+
+
+def test_batch_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OPTSTATE_CPU_BATCH", "2")
+    assert cpu_step.batch_size() == 2
+    for bad in ("0", "-1", "x", "1.5"):
+        monkeypatch.setenv("OPTSTATE_CPU_BATCH", bad)
+        with pytest.raises(ValueError, match="OPTSTATE_CPU_BATCH"):
+            cpu_step.batch_size()
+
+
+def test_a_bad_batch_size_changes_nothing(monkeypatch):
+    params, opt = run("8bit", fast=True, steps=2)
+    before = [p.detach().clone() for p in params]
+    state = {k: t.clone() for k, t in payloads(opt, params[1]).items()}
+    monkeypatch.setenv("OPTSTATE_CPU_FAST", "1")
+    monkeypatch.setenv("OPTSTATE_CPU_BATCH", "0")
+    with pytest.raises(ValueError, match="OPTSTATE_CPU_BATCH"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(t, payloads(opt, params[1])[k]) for k, t in state.items())
+    assert int(opt.state[params[1]]["step"]) == 2
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_eager_batches_of_any_size_are_bit_identical(monkeypatch, size):
+    monkeypatch.setenv("OPTSTATE_CPU_BATCH", str(size))
+    ref_params, ref = run("4bit", fast=False)
+    params, opt = run("4bit", fast=True)
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)
+        for key, t in payloads(ref, a).items():
+            assert torch.equal(t, payloads(opt, b)[key]), key
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_codecs_take_slices_of_no_rows(codec):
+    """The compiled step pads a short batch with empty slices: every codec op must accept 0 rows."""
+    from optstate_core.codecs import get_codec
+    c = get_codec(codec).specialize(True)
+    empty = torch.zeros(0, 256)
+    enc = c.encode(empty)
+    assert enc.decode().shape == (0, 256)

@@ -10,7 +10,7 @@ def to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     pad = -cols % block
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(rows, -1, block)
+    return x.reshape(rows, (cols + pad) // block, block)  # no -1: a slice may have no rows
 
 
 def finite_absmax(xb: torch.Tensor) -> torch.Tensor:
@@ -42,5 +42,5 @@ def scale_blocks(x: torch.Tensor, factors: torch.Tensor, block: int) -> torch.Te
     when the rows hold whole blocks."""
     rows, cols = x.shape
     if cols % block == 0:
-        return (x.reshape(rows, -1, block) * factors.unsqueeze(-1)).reshape(rows, cols)
+        return (x.reshape(rows, cols // block, block) * factors.unsqueeze(-1)).reshape(rows, cols)
     return x * expand_scales(factors, block, cols)

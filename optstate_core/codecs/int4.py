@@ -201,7 +201,7 @@ class Int4Codec(Codec):
     def decode_into(self, payload, out):
         cols = out.shape[1]
         packed = payload["codes"]
-        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :cols]
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])[:, :cols]
         return out.copy_(scale_blocks(self.values_of(codes), payload["scales"], self.block_size))
 
     def values_of(self, codes: torch.Tensor) -> torch.Tensor:
