@@ -144,6 +144,7 @@ class Engine:
             t = time.perf_counter()
             self.schedule.run(buckets)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        self.kernels.end_step()  # the device's step count (rounding stream) first
         self.step_count += 1
         self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3

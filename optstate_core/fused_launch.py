@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from .codecs import Int4Codec
-from .codecs.rounding import state_seed, step_mix
+from .codecs.rounding import state_seed
 from .kernels import launch
 
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
@@ -40,10 +40,32 @@ class KernelLauncher:
         self.stochastic_param_rounding = stochastic_param_rounding
         self.nonfinite_device: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
         self._seed_cache: Dict[tuple, int] = {}
+        self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
 
     def close(self) -> None:
         """Forget cached launch tables (they hold device pointers of freed state)."""
         launch.clear_caches()
+        self._step_counts.clear()
+
+    def step_count(self, device) -> torch.Tensor:
+        """The optimizer's step count on ``device`` (the kernels derive the rounding stream's step
+        from it). Set from the host only when the host count moved without it (first use, a loaded
+        checkpoint); otherwise :meth:`end_step` advances it on the device, inside a captured graph too."""
+        entry = self._step_counts.get(device)
+        host = self.engine.step_count
+        if entry is None:
+            entry = self._step_counts[device] = [torch.zeros((), dtype=torch.int64, device=device), None]
+        if entry[1] != host:
+            entry[0].fill_(host)
+            entry[1] = host
+        return entry[0]
+
+    def end_step(self) -> None:
+        """Advance the device step counts that this step's launches read (before the host count)."""
+        for entry in self._step_counts.values():
+            if entry[1] == self.engine.step_count:
+                entry[0].add_(1)
+                entry[1] += 1
 
     def new_flags(self, bucket):
         """Zeroed per-parameter flags that the kernels raise for a parameter with a block skipped
@@ -92,7 +114,7 @@ class KernelLauncher:
         (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32 = memo[memo_key]
         P = launch.cached_table(bucket.param_pointers(), device)
         G = launch.cached_table(bucket.grad_pointers(), device)
-        step_mix_value = step_mix(engine.step_count)
+        STEP = self.step_count(device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
         parent_flags = flags
         flags = self.new_flags(bucket) if check else None
@@ -120,7 +142,7 @@ class KernelLauncher:
             bias_corrections_kernel[(n,)](STEPS, CORR, lr_ptr, lr_val, math.log(beta1) if beta1 > 0 else -1e30,
                                           math.log(beta2) if beta2 > 0 else -1e30, LR_TENSOR=lr_tensor)
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), *self._tables(v_codec, device),
@@ -136,7 +158,7 @@ class KernelLauncher:
                 self.advance_steps(bucket)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, flags, SEEDS, step_mix_value, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),

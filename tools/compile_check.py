@@ -43,7 +43,7 @@ def sig(fn, types):
     return {n: types.get(n, PTR) for n in names}
 
 
-adam_scalars = {"step_mix": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32",
+adam_scalars = {"STEP": "*i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32",
                 "one_minus_beta1": "fp32", "one_minus_beta2": "fp32",
                 "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "CORR": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
                 "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
@@ -71,7 +71,7 @@ for lr_tensor in (False, True):
     s["LR_TENSOR"] = "constexpr"
     compile_kernel(bias_corrections_kernel, s, {"LR_TENSOR": lr_tensor})
 for aligned in (True, False):
-    s = sig(sgd_kernel, {"step_mix": "i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
+    s = sig(sgd_kernel, {"STEP": "*i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(TPOW2=256, P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,

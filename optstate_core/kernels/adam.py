@@ -44,6 +44,13 @@ def sr_indices(elem, BASE, t, SR: tl.constexpr, IDX32: tl.constexpr):
 
 
 @triton.jit
+def load_step_mix(STEP):
+    """``step_mix`` of the optimizer's step count read from the device (codecs/rounding.py), so a
+    replayed CUDA graph draws the rounding bits of the step it replays, not of the captured one."""
+    return mix32(((tl.load(STEP) + 0x9E3779B9) & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
 def state_key(SEEDS, i, step_mix):
     """The stream key of state ``i`` this step: mix32(seed ^ step_mix) (codecs/rounding.py)."""
     return mix32(tl.load(SEEDS + i).to(tl.uint32) ^ step_mix.to(tl.uint32))
@@ -235,7 +242,7 @@ def overflow_to_inf(v, g):
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, step_mix, BASE,
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
@@ -263,6 +270,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, step_mix, BASE,
     vs_addr = tl.load(VS + t)
     vm_addr = tl.load(VM + t)
     vms_addr = tl.load(VMS + t)
+    step_mix = load_step_mix(STEP)
     m_key = state_key(SEEDS, 4 * t, step_mix)
     v_key = state_key(SEEDS, 4 * t + 1, step_mix)
     vm_key = state_key(SEEDS, 4 * t + 2, step_mix)

@@ -5,13 +5,13 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import (block_skip, load_param_grad, per_block, program_tile, sr_indices, state_key, store_param,
+from .adam import (block_skip, load_param_grad, load_step_mix, per_block, program_tile, sr_indices, state_key, store_param,
                    tile_offsets)
 from .codec_ops import load_state, store_state
 
 
 @triton.jit
-def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
+def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                M_INV_POW: tl.constexpr,
@@ -45,7 +45,7 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, step_mix, BASE, COLS, NBR, NBLOCKS, PR
         buf = tl.where(per_block(row_ok), buf, 0.0)
     sr_idx = sr_indices(elem, BASE, t, M_SR, IDX32)
     store_state(buf, m_addr, ms_addr, elem, p_mask, pair, pmask_w, s8_w, s4, s4mask_w,
-                state_key(SEEDS, 4 * t, step_mix), sr_idx, m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK,
+                state_key(SEEDS, 4 * t, load_step_mix(STEP)), sr_idx, m_levels, m_mids, M_KIND, True, M_SR, M_LEVELS, NBLK,
                 M_INV_POW, M_POW)
     if CHECK_FINITE:
         p_mask = mask & per_block(row_ok)

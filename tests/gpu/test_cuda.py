@@ -34,10 +34,12 @@ def test_fused_step_is_automatic_and_never_syncs(preset):
     assert opt.last_step_timings["fused_params"] == len(SHAPES)
 
 
-def test_fused_step_in_a_cuda_graph():
-    # nearest rounding: a captured graph replays the captured step's stochastic-rounding stream
-    ps, opt = setup("4bit", lr=torch.tensor(1e-3, device="cuda"))
-    twin_ps, twin = setup("4bit", lr=torch.tensor(1e-3, device="cuda"))
+@pytest.mark.parametrize("preset", ["4bit", "8bit"])
+def test_fused_step_in_a_cuda_graph(preset):
+    """Replays equal eager steps bit for bit, stochastic rounding included: the kernels read the
+    step count (hence the rounding stream) from the device, and the replay advances it."""
+    ps, opt = setup(preset, lr=torch.tensor(1e-3, device="cuda"))
+    twin_ps, twin = setup(preset, lr=torch.tensor(1e-3, device="cuda"))
     for o in (opt, twin):
         for _ in range(2):
             o.step()
