@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .measure import device_name, pinned_bandwidth, state_bytes, sync
+from .measure import device_name, duplex_bandwidth, pinned_bandwidth, state_bytes, sync
 
 log = logging.getLogger("optstate")
 
@@ -216,7 +216,7 @@ def run(args) -> int:
         if unknown:
             raise ValueError(f"--configs: unknown configuration {', '.join(unknown)} (valid: {', '.join(sorted(known))})")
         table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
-    bandwidth = pinned_bandwidth(device)
+    bandwidth = (pinned_bandwidth(device), duplex_bandwidth(device))
     rows = []
     from .. import fused_launch as fused
     shapes_to_try = [(fused.NBLK, fused.NUM_WARPS)]
@@ -243,40 +243,46 @@ def run(args) -> int:
     if args.json:
         import json
         with open(args.json, "w") as f:
-            json.dump({"device": device_name(device), "torch": torch.__version__, "bandwidth": bandwidth,
+            json.dump({"device": device_name(device), "torch": torch.__version__, "bandwidth": bandwidth[0],
+                       "duplex_bandwidth": bandwidth[1],
                        "rows": [{"config": n, **(r or {})} for n, _, r in rows]}, f, indent=1)
     return 0
 
 
 def print_table(rows, device, bandwidth) -> None:
+    """The step table; ``bandwidth``: (one-way, per-direction duplex) pinned bytes/s."""
+    one_way, duplex = bandwidth
     ref = next((r for _, c, r in rows if c.name == "adamw" and r), None)
     n = next((r["n_params"] for _, _, r in rows if r), 0)
     print(f"\noptimizer step, {n / 1e9:.3f}B params, device {device_name(device)}, "
           f"torch {torch.__version__}")
     head = f"| {'configuration':<34} | params | state bits/param | encoded bits/param | step ms | " \
-           f"x {'fused' if device.type == 'cuda' else 'foreach'} | wall ms | x (wall) | peak extra MB | PCIe floor ms |"
+           f"x {'fused' if device.type == 'cuda' else 'foreach'} | wall ms | x (wall) | peak extra MB | PCIe floor ms (one way / duplex) | x floor |"
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for label, cfg, r in rows:
         if r is None:
-            print(f"| {label:<34} | | failed | | | | | | | |")
+            print(f"| {label:<34} | | failed | | | | | | | | |")
             continue
         ratio = r["step_ms"] / ref["step_ms"] if ref else float("nan")
         wall_ratio = r["wall_ms"] / ref["wall_ms"] if ref else float("nan")
-        floor = ""
-        if cfg.offloaded and r.get("host_bytes") and bandwidth == bandwidth:  # S up while S comes back down
-            floor = f"{r['host_bytes'] / bandwidth * 1e3:.1f}"
+        floor, x_floor = "", ""
+        if cfg.offloaded and r.get("host_bytes") and one_way == one_way:  # S up while S comes back down
+            floors = [r["host_bytes"] / bw * 1e3 for bw in (one_way, duplex)]
+            floor = f"{floors[0]:.1f} / {floors[1]:.1f}"
+            x_floor = f"{r['step_ms'] / floors[0]:.2f} / {r['step_ms'] / floors[1]:.2f}"
         peak = "" if r["peak_extra_bytes"] != r["peak_extra_bytes"] else f"{r['peak_extra_bytes'] / 2**20:.0f}"
         enc = "" if r.get("encoded_bits_per_param") is None else f"{r['encoded_bits_per_param']:.2f}"
         print(f"| {label:<34} | {r['weights'].replace('float32', 'fp32').replace('bfloat16', 'bf16'):>6} |"
               f" {r['bits_per_param']:15.2f} | {enc:>18} | {r['step_ms']:7.2f} | {ratio:7.2f} |"
-              f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {peak:>13} | {floor:>13} |")
+              f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {peak:>13} | {floor:>31} | {x_floor:>7} |")
     if any(c.weights != torch.float32 for _, c, r in rows if r):
         print("bf16 rows: bf16 parameters and gradients with fp32 master weights kept as state; their "
               "state bits include the master correction")
-    if bandwidth == bandwidth:
-        print(f"pinned host<->device bandwidth: {bandwidth / 1e9:.1f} GB/s; PCIe floor of a configuration with "
-              f"host-tier state = its host-tier bytes S / that bandwidth (S goes up while the previous chunks come back)")
+    if one_way == one_way:
+        print(f"pinned host<->device bandwidth: {one_way / 1e9:.1f} GB/s one way, {duplex / 1e9:.1f} GB/s per "
+              "direction with both at once; PCIe floor of a configuration with host-tier state = its host-tier "
+              "bytes S / that bandwidth (S goes up while the previous chunks come back: the duplex rate applies)")
 
 
 def main(argv=None) -> int:

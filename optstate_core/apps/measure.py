@@ -53,6 +53,29 @@ def pinned_bandwidth(device, nbytes: int = 2**28) -> float:
     return nbytes / (sum(times) / 2)
 
 
+def duplex_bandwidth(device, nbytes: int = 2**28) -> float:
+    """Measured pinned bandwidth per direction while both directions copy at once (bytes/s; two
+    copy streams), the rate an offloaded step's uploads get while write-backs come down."""
+    if device.type != "cuda":
+        return float("nan")
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    devs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def both():
+        with torch.cuda.stream(streams[0]):
+            devs[0].copy_(hosts[0], non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            hosts[1].copy_(devs[1], non_blocking=True)
+    both()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(5):
+        both()
+    sync(device)
+    return nbytes / ((time.perf_counter() - t) / 5)
+
+
 def device_name(device) -> str:
     """The GPU's name, or "cpu"."""
     if device.type == "cuda":
