@@ -167,7 +167,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
         engine.placement.offload_all = offload
         engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode)
         if release_gradients:
-            check_release_supported(engine, [p for g in optimizer.param_groups for p in g["params"]])
+            engine.gradient_release.group = check_release_supported(
+                engine, [p for g in optimizer.param_groups for p in g["params"]])
             engine.schedule.release = engine.gradient_release
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups

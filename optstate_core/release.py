@@ -80,7 +80,7 @@ class GradientRelease:
         self._infos: Dict[int, object] = {}
         self._buckets: Dict[int, tuple] = {}  # id(param) -> (its one-parameter bucket, _bucket_key)
         self.released = 0  # parameters updated in backward this step
-        self.group = None  # FSDP2: the process group whose ranks hold the shards (set by check_release_supported)
+        self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
@@ -222,8 +222,9 @@ class GradientRelease:
         self.released = 0
 
 
-def check_release_supported(engine, params) -> None:
-    """Refuse what gradient release cannot do correctly (clear errors, nothing changed)."""
+def check_release_supported(engine, params):
+    """Refuse what gradient release cannot do correctly (clear errors, nothing changed); return
+    the process group whose ranks hold the shards under FSDP2 (their norms are summed), else None."""
     if engine.prefetch_during_backward:
         raise ValueError("release_gradients=True cannot be combined with backward-time prefetch "
                          "(prefetch_during_backward=True or a prefetch_budget other than 'auto'/0): a released "
@@ -236,10 +237,10 @@ def check_release_supported(engine, params) -> None:
         if len(sharded) != len(params) or mesh.ndim != 1 or any(p.device_mesh != mesh for p in sharded):
             raise ValueError("release_gradients=True with DTensor parameters needs every parameter sharded by FSDP2 "
                              "over one 1-D device mesh")
-        engine.gradient_release.group = sharded[0].device_mesh.get_group()
-        return
+        return mesh.get_group()
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1:
         raise ValueError("release_gradients=True under data parallelism (e.g. DDP) would update parameters before "
                          "their gradients are all-reduced (the hook runs on the local gradient); use FSDP2 "
                          "(fully_shard), whose hooks run after the reduce-scatter, or one process")
+    return None
