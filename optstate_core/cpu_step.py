@@ -8,8 +8,9 @@ codec change flows through) around the arithmetic of ``torch.optim.Adam``'s sing
 step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops when it can be,
 else run eagerly. Compiled code is specialized per row width (:func:`slab_width`: 256-wide rows
 for most weight matrices) with only the row count symbolic, so block sizes and widths are
-constants of its loops, and steps ``MAX_BATCH`` row slices a call (of one or several parameters;
-padded with empty ones), which shares the fixed cost of a compiled call among small parameters.
+constants of its loops. ``OPTSTATE_CPU_BATCH=k`` steps ``k`` row slices a call (of one or several
+parameters; padded with empty ones), which shares the fixed cost of a compiled call among small
+parameters at the price of a longer compilation.
 
 Results: eager execution performs the same torch operations on the same float32 values as
 the reference, so it is bit-identical to it. Compiled code rounds a few float operations
@@ -142,17 +143,18 @@ _FAILED: set = set()
 ROW_GRANULARITY = 256
 #: distinct static widths compiled per codec pair before further widths share one dynamic-width graph
 MAX_STATIC_WIDTHS = 8
-#: row slices one compiled call steps (``OPTSTATE_CPU_BATCH``; a shorter batch is padded with
-#: empty slices): small parameters share the per-call cost of compiled code (guards, wrappers:
-#: ~0.1 ms), one graph per class; compilation takes longer with it (~6 s a slice for int8)
-MAX_BATCH = 4
+#: row slices one compiled call steps unless ``OPTSTATE_CPU_BATCH`` says otherwise (a shorter
+#: batch is padded with empty slices, so one graph per class): with more, small parameters share
+#: the fixed cost of a compiled call (guards, wrappers: ~0.1 ms), but compilation takes longer
+#: (~4-6 s more per slice), which pays only over thousands of steps
+DEFAULT_BATCH = 1
 
 
 def batch_size() -> int:
-    """Slices per compiled call: ``OPTSTATE_CPU_BATCH`` (1 compiles fastest), else ``MAX_BATCH``."""
+    """Slices per compiled call: ``OPTSTATE_CPU_BATCH``, else ``DEFAULT_BATCH``."""
     value = os.environ.get("OPTSTATE_CPU_BATCH")
     if value is None:
-        return MAX_BATCH
+        return DEFAULT_BATCH
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"OPTSTATE_CPU_BATCH must be a positive integer, got {value!r}")
     return int(value)

@@ -113,13 +113,14 @@ def test_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
         assert torch.equal(a, b)
 
 
-# (shapes, distinct static widths allowed): two shapes viewed as 256-wide rows; two odd widths
-# that share the graph with symbolic widths once no static width is left
-COMPILED_CASES = [([(32, 512), (16, 256)], cpu_step.MAX_STATIC_WIDTHS), ([(9, 300), (5, 1001)], 0)]
+# (shapes, distinct static widths allowed, slices a call): two shapes viewed as 256-wide rows,
+# stepped in one batch padded to four; two odd widths that share the graph with symbolic widths
+# once no static width is left, one slice a call
+COMPILED_CASES = [([(32, 512), (16, 256)], cpu_step.MAX_STATIC_WIDTHS, "4"), ([(9, 300), (5, 1001)], 0, "1")]
 
 
-@pytest.mark.parametrize("shapes,static_widths", COMPILED_CASES, ids=["256-wide rows", "symbolic widths"])
-def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shapes, static_widths):
+@pytest.mark.parametrize("shapes,static_widths,batch", COMPILED_CASES, ids=["256-wide rows", "symbolic widths"])
+def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shapes, static_widths, batch):
     """Compiled code may round a few float operations differently from eager torch (inductor
     lowers lerp/addcmul without torch's fused multiply-add and divides by the bias correction
     through its reciprocal), so parameters may differ by a few ulp. Codes come from the same
@@ -130,6 +131,7 @@ def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shape
         pytest.skip("torch.compile unavailable")
     from torch._dynamo.utils import counters
     monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "1")
+    monkeypatch.setenv("OPTSTATE_CPU_BATCH", batch)
     monkeypatch.setattr(cpu_step, "_STEPPERS", {})  # compile here, whatever ran before
     monkeypatch.setattr(cpu_step, "_STATIC_WIDTHS", {})
     monkeypatch.setattr(cpu_step, "MAX_STATIC_WIDTHS", static_widths)
@@ -220,7 +222,7 @@ def test_a_bad_batch_size_changes_nothing(monkeypatch):
     assert int(opt.state[params[1]]["step"]) == 2
 
 
-@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("size", [3, 16])
 def test_eager_batches_of_any_size_are_bit_identical(monkeypatch, size):
     monkeypatch.setenv("OPTSTATE_CPU_BATCH", str(size))
     ref_params, ref = run("4bit", fast=False)
