@@ -265,8 +265,9 @@ def run_cpu_fast(engine, works: List) -> List:
     with torch.no_grad(), _shape_config():
         size = batch_size()
         for flags, parts in by_class.items():
+            run = _Runner(flags, size)
             for batch in _batches(parts, engine.chunk_bytes, size):
-                _run(flags, batch, size)
+                run(batch)
                 metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, sum(s.nbytes for s in batch))
             metrics.chunks += len(parts)
             metrics.tiles += len(parts)
@@ -325,31 +326,36 @@ def _payload_rows(payload: dict, rows: int) -> dict:
     return {k: t.view(rows, -1) for k, t in payload.items()}
 
 
-def _run(flags, batch: List[_Slice], size: int) -> None:
-    """The compiled step of a batch (padded to ``size`` slices) when compilation is wanted
-    and works, else the same step eagerly. ``flags``: (m codec, v codec, maximize, row width of
-    the class or None)."""
-    m_codec, v_codec, maximize, width = flags
-    compiled = compile_wanted() and flags not in _FAILED
-    if compiled:
-        batch = batch + [_padding(batch[0])] * (size - len(batch))
-    args = ([s.p for s in batch], [s.g for s in batch], [s.m for s in batch], [s.v for s in batch],
-            torch.tensor([s.hyper for s in batch], dtype=torch.float32),
-            torch.tensor([s.meta for s in batch], dtype=torch.int64))
-    if compiled:
-        try:
-            t = time.perf_counter()
-            _stepper(m_codec, v_codec, maximize, width, True, len(batch))(*_mark_sizes(args, width is None))
-            _note_compile(flags, len(batch), time.perf_counter() - t)
-            return
-        except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
-            _FAILED.add(flags)
-            log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
-                        m_codec.name, v_codec.name, e)
-        batch = [s for s in batch if s.p.shape[0]]
+class _Runner:
+    """Runs the batches of one class (``flags``: m codec, v codec, maximize, row width or None):
+    compiled, each batch padded to ``size`` slices, while compilation is wanted and works, else
+    eagerly. Looks its steppers up once per class, not per call."""
+
+    def __init__(self, flags, size: int):
+        self.flags, self.size = flags, size
+        self.compiled = compile_wanted() and flags not in _FAILED
+        self.fn = _stepper(*flags, compiled=True, batch=size) if self.compiled else None
+
+    def __call__(self, batch: List[_Slice]) -> None:
+        n = len(batch)
+        if self.compiled and n < self.size:
+            batch = batch + [_padding(batch[0])] * (self.size - n)
         args = ([s.p for s in batch], [s.g for s in batch], [s.m for s in batch], [s.v for s in batch],
-                args[4][:len(batch)], args[5][:len(batch)])
-    _stepper(m_codec, v_codec, maximize, width, False, len(batch))(*args)
+                torch.tensor([s.hyper for s in batch], dtype=torch.float32),
+                torch.tensor([s.meta for s in batch], dtype=torch.int64))
+        if self.compiled:
+            try:
+                t = time.perf_counter()
+                self.fn(*_mark_sizes(args, self.flags[3] is None))
+                _note_compile(self.flags, self.size, time.perf_counter() - t)
+                return
+            except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
+                _FAILED.add(self.flags)
+                self.compiled = False
+                log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
+                            self.flags[0].name, self.flags[1].name, e)
+            args = tuple(a[:n] for a in args)  # without the padding
+        _stepper(*self.flags, compiled=False, batch=n)(*args)
 
 
 def _padding(like: _Slice) -> _Slice:
