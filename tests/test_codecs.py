@@ -1,5 +1,4 @@
 """Codecs against a float64 reference, with the error bounds each one guarantees."""
-import math
 
 import pytest
 import torch

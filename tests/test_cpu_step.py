@@ -6,7 +6,6 @@ import torch
 
 import optstate_core as oc
 from optstate_core import cpu_step
-from optstate_core.codecs import EncodedTensor
 
 # 1-D, rows of whole 256-blocks, rows shorter than a block, odd and ragged widths
 SHAPES = [(512,), (64, 512), (48, 128), (9, 300), (5, 1001)]

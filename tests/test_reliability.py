@@ -7,7 +7,6 @@ README.md's "Guarantees" section states the same table in words.
 """
 import copy
 import gc
-import math
 import pickle
 
 import pytest

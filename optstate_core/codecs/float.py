@@ -1,11 +1,9 @@
 """Float codecs: identity ("fp32"), bf16 and block-scaled fp16."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .base import Codec, Payload
+from .base import Codec
 from .blocks import finite_absmax, pow2_scale, scale_blocks, to_blocks
 from .rounding import RoundingContext
 

@@ -28,7 +28,6 @@ import torch
 
 from .base import Codec
 from .blocks import finite_absmax, scale_blocks, to_blocks
-from .rounding import RoundingContext
 
 
 def int4_levels(signed: bool, power: float) -> torch.Tensor:

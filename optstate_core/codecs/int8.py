@@ -22,7 +22,6 @@ import torch
 
 from .base import Codec
 from .blocks import finite_absmax, pow2_scale, scale_blocks, to_blocks
-from .rounding import RoundingContext
 
 
 class MinifloatMap:
