@@ -409,8 +409,9 @@ def _note_compile(flags, batch: int, seconds: float) -> None:
     """Log the first (compiling) call of each combination and batch size."""
     if (flags, batch) not in _COMPILE_SECONDS:
         _COMPILE_SECONDS[flags, batch] = seconds
-        log.info("optstate: CPU fast path compiled for %s/%s (%d slices a call) in %.1f s",
-                 flags[0].name, flags[1].name, batch, seconds)
+        width = "any width" if flags[3] is None else f"rows of {flags[3]}"
+        log.info("optstate: CPU fast path compiled for %s/%s, %s, %d slice(s) a call, in %.1f s",
+                 flags[0].name, flags[1].name, width, batch, seconds)
 
 
 def _key(engine, w, key: str, codec) -> int:
