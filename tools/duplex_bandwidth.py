@@ -1,41 +1,8 @@
-"""Pinned host<->device bandwidth one way and both ways at once (two copy streams)."""
-import time
-
+"""Pinned host<->device bandwidth one way and both ways at once (two copy streams), 1 GiB copies."""
 import torch
 
-n = 2**30
-host_a = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-host_b = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-dev_a = torch.empty(n, dtype=torch.uint8, device="cuda")
-dev_b = torch.empty(n, dtype=torch.uint8, device="cuda")
-up, down = torch.cuda.Stream(), torch.cuda.Stream()
+from optstate_core.apps.measure import copy_bandwidths
 
-
-def timed(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
-
-
-def h2d():
-    with torch.cuda.stream(up):
-        dev_a.copy_(host_a, non_blocking=True)
-
-
-def d2h():
-    with torch.cuda.stream(down):
-        host_b.copy_(dev_b, non_blocking=True)
-
-
-def both():
-    h2d()
-    d2h()
-
-
-t_up, t_down, t_both = timed(h2d), timed(d2h), timed(both)
-print(f"H2D {n / t_up / 1e9:.1f} GB/s, D2H {n / t_down / 1e9:.1f} GB/s, "
-      f"both at once {2 * n / t_both / 1e9:.1f} GB/s total ({n / t_both / 1e9:.1f} GB/s each way)")
+rates = copy_bandwidths(torch.device("cuda"), 2**30)
+print(f"H2D {rates['h2d'] / 1e9:.1f} GB/s, D2H {rates['d2h'] / 1e9:.1f} GB/s, "
+      f"both at once {2 * rates['duplex'] / 1e9:.1f} GB/s total ({rates['duplex'] / 1e9:.1f} GB/s each way)")

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .measure import device_name, duplex_bandwidth, pinned_bandwidth, state_bytes, sync
+from .measure import copy_bandwidths, device_name, state_bytes, sync
 
 log = logging.getLogger("optstate")
 
@@ -216,7 +216,8 @@ def run(args) -> int:
         if unknown:
             raise ValueError(f"--configs: unknown configuration {', '.join(unknown)} (valid: {', '.join(sorted(known))})")
         table = {k: v for k, v in table.items() if v.name in wanted or v.name == "adamw"}
-    bandwidth = (pinned_bandwidth(device), duplex_bandwidth(device))
+    rates = copy_bandwidths(device)
+    bandwidth = (rates["mean"], rates["duplex"])
     rows = []
     from .. import fused_launch as fused
     shapes_to_try = [(fused.NBLK, fused.NUM_WARPS)]

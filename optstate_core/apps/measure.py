@@ -36,44 +36,46 @@ def sync(device) -> None:
 
 
 def pinned_bandwidth(device, nbytes: int = 2**28) -> float:
-    """Measured pinned host<->device bandwidth (bytes/s, mean of both directions)."""
-    if device.type != "cuda":
-        return float("nan")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for src, dst in ((host, dev), (dev, host)):
-        dst.copy_(src, non_blocking=True)
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src, non_blocking=True)
-        sync(device)
-        times.append((time.perf_counter() - t) / 5)
-    return nbytes / (sum(times) / 2)
+    """Measured pinned host<->device bandwidth (bytes/s, over the mean time of the two directions)."""
+    return copy_bandwidths(device, nbytes)["mean"]
 
 
-def duplex_bandwidth(device, nbytes: int = 2**28) -> float:
-    """Measured pinned bandwidth per direction while both directions copy at once (bytes/s; two
-    copy streams), the rate an offloaded step's uploads get while write-backs come down."""
+def copy_bandwidths(device, nbytes: int = 2**28) -> dict:
+    """Measured pinned host<->device bandwidths (bytes/s): each direction alone (``h2d``, ``d2h``),
+    ``mean`` (``nbytes`` over the mean of their copy times) and ``duplex``, per direction while
+    both copy at once on two copy streams (the rate an offloaded step's uploads get while
+    write-backs come down). NaN off CUDA."""
     if device.type != "cuda":
-        return float("nan")
+        return dict.fromkeys(("h2d", "d2h", "mean", "duplex"), float("nan"))
     hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     devs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def h2d():
+        with torch.cuda.stream(up):
+            devs[0].copy_(hosts[0], non_blocking=True)
+
+    def d2h():
+        with torch.cuda.stream(down):
+            hosts[1].copy_(devs[1], non_blocking=True)
 
     def both():
-        with torch.cuda.stream(streams[0]):
-            devs[0].copy_(hosts[0], non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            hosts[1].copy_(devs[1], non_blocking=True)
-    both()
+        h2d()
+        d2h()
+    t_up, t_down, t_both = (_seconds_per_call(fn, device) for fn in (h2d, d2h, both))
+    return {"h2d": nbytes / t_up, "d2h": nbytes / t_down, "mean": nbytes / ((t_up + t_down) / 2),
+            "duplex": nbytes / t_both}
+
+
+def _seconds_per_call(fn, device, reps: int = 5) -> float:
+    """Wall seconds per call of ``fn`` until the device is idle, after one warm-up call."""
+    fn()
     sync(device)
     t = time.perf_counter()
-    for _ in range(5):
-        both()
+    for _ in range(reps):
+        fn()
     sync(device)
-    return nbytes / ((time.perf_counter() - t) / 5)
+    return (time.perf_counter() - t) / reps
 
 
 def device_name(device) -> str:
