@@ -295,8 +295,8 @@ def _slices(engine, w, group):
     hyper = adam_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                          float(group["weight_decay"]), float(w.state["step"]) + 1, _decoupled(engine.inner, group))
     keys = [_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)]
-    flags = (m_enc.codec, v_enc.codec, bool(group.get("maximize")), width)
-    flags = flags[:3] + (_class_width(flags),)
+    kind = (m_enc.codec, v_enc.codec, bool(group.get("maximize")))
+    flags = kind + (_class_width(kind, width),)
     p, g = w.param.detach().view(rows, width), w.grad.detach().view(rows, width)
     m_rows, v_rows = _payload_rows(m_enc.payload, rows), _payload_rows(v_enc.payload, rows)
     parts = []
@@ -335,11 +335,15 @@ class _Runner:
         self.flags, self.size = flags, size
         self.compiled = compile_wanted() and flags not in _FAILED
         self.fn = _stepper(*flags, compiled=True, batch=size) if self.compiled else None
+        self.pads: List[_Slice] = []  # distinct empty slices for short batches, built once
 
     def __call__(self, batch: List[_Slice]) -> None:
         n = len(batch)
         if self.compiled and n < self.size:
-            batch = batch + [_padding(batch[0])] * (self.size - n)
+            # distinct tensors: the same one twice would be an aliased input, and each number of
+            # repeats a graph of its own
+            self.pads += [_padding(batch[0]) for _ in range(self.size - n - len(self.pads))]
+            batch = batch + self.pads[:self.size - n]
         args = ([s.p for s in batch], [s.g for s in batch], [s.m for s in batch], [s.v for s in batch],
                 torch.tensor([s.hyper for s in batch], dtype=torch.float32),
                 torch.tensor([s.meta for s in batch], dtype=torch.int64))
@@ -369,12 +373,11 @@ def _padding(like: _Slice) -> _Slice:
 _STATIC_WIDTHS: Dict[tuple, set] = {}
 
 
-def _class_width(flags) -> Optional[int]:
-    """The row width as a constant of the compiled code (the common case), or None once this codec
-    pair has ``MAX_STATIC_WIDTHS`` others (odd widths then share one graph instead of compiling
-    each)."""
-    seen = _STATIC_WIDTHS.setdefault(flags[:3], set())
-    width = flags[3]
+def _class_width(kind: tuple, width: int) -> Optional[int]:
+    """The row width as a constant of the compiled code (the common case), or None once this
+    ``kind`` (codec pair, maximize) has ``MAX_STATIC_WIDTHS`` others (odd widths then share one
+    graph instead of compiling each)."""
+    seen = _STATIC_WIDTHS.setdefault(kind, set())
     if width in seen or width == ROW_GRANULARITY or len(seen) < MAX_STATIC_WIDTHS:
         seen.add(width)
         return width
