@@ -115,12 +115,12 @@ def hint_bytes_per_param(c: Contender) -> float:
     fixed = {"adamw": 18.0, "bnb8": 12.0, "ao_offload": 6.0, "flashoptim": 7.0, "none": 6.0, "none-bf16": 2.0}
     if c.base in fixed:
         return fixed[c.base] - (2.0 if c.release else 0.0)
+    from ..codecs import get_codec
     from ..presets import PRESETS
     spec = PRESETS[c.preset]
     moment = {"fp32": 4.0, "bf16": 2.0, "int4": 0.5}
     state = 0.0 if c.offload or spec.get("device_resident") is False else \
-        sum(moment.get(spec.get(k) if isinstance(spec.get(k), str) else getattr(spec.get(k), "name", "int8"), 1.0)
-            for k in ("momentum_codec", "variance_codec")) + \
+        sum(moment.get(get_codec(spec.get(k, "int8")).name, 1.0) for k in ("momentum_codec", "variance_codec")) + \
         (0.0 if spec.get("master_tier") == "host" else {"corr16": 2.0, "corr8": 1.0}.get(spec.get("master_correction"), 0.0))
     weights = 2.0 if c.weights == torch.bfloat16 else 6.0  # fp32 weights + their bf16 autocast copies
     grads = 0.0 if c.release else (2.0 if c.weights == torch.bfloat16 else 4.0)
