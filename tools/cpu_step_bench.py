@@ -7,7 +7,8 @@ Part 1 times ``step()`` on fp32 parameters in Llama-like shapes (``--scale``/``-
 backward, clipping, ``step()``) on its TinyLM and corpus. Every configuration lives in one
 process and is timed in interleaved rounds (A, B, C, A, B, C, ...), so load from other
 processes falls on all of them alike; each round gives a median ms per step and a ratio to
-torch AdamW measured in that round. The table prints the median over rounds and the
+torch AdamW measured in that round (the step alone: ``AdamW(fused=True)``; the demo step: the
+demo's own AdamW, torch's default). The table prints the median over rounds and the
 min-max spread. "first s" is the wall time of the untimed warm-up steps (compilation included).
 ``--reference`` adds the 8bit tiled reference path (``OPTSTATE_CPU_FAST=0``), i.e. the path
 without the CPU fast path (slow).
@@ -45,7 +46,8 @@ class Config:
 
 
 def configs(presets, reference):
-    out = [Config("torch AdamW (foreach)", "adamw_foreach"), Config("torch AdamW (default)", "adamw")]
+    out = [Config("torch AdamW (fused)", "adamw_fused"), Config("torch AdamW (default)", "adamw"),
+           Config("torch AdamW (foreach)", "adamw_foreach")]
     out += [Config(f"optstate {p}", p) for p in presets]
     if reference:
         out.append(Config("optstate 8bit, tiled reference", "8bit", fast=False))
@@ -59,6 +61,8 @@ def build_step_alone(cfg, shapes, seed=0):
         p.grad = torch.randn(p.shape, generator=gen) * 1e-3
     if cfg.preset == "adamw_foreach":
         return torch.optim.AdamW(params, foreach=True)
+    if cfg.preset == "adamw_fused":
+        return torch.optim.AdamW(params, fused=True)
     if cfg.preset == "adamw":
         return torch.optim.AdamW(params)
     return oc.wrap(torch.optim.AdamW(params), cfg.preset)
@@ -72,9 +76,10 @@ class DemoRun:
         self.model = TinyLM.from_config(demo_cfg)
         preset = None if cfg.preset.startswith("adamw") else cfg.preset
         self.opt = build_optimizer(self.model, demo_cfg, preset)
-        if cfg.preset == "adamw_foreach":
-            for g in self.opt.param_groups:
-                g["foreach"] = True
+        for flag in ("foreach", "fused"):
+            if cfg.preset == f"adamw_{flag}":
+                for g in self.opt.param_groups:
+                    g[flag] = True
         self.offsets = train_offsets(corpus, demo_cfg)
         self.corpus, self.demo_cfg, self.i = corpus, demo_cfg, 0
 
@@ -155,7 +160,7 @@ def main(argv=None):
         objects = {cfg.name: build_step_alone(cfg, shapes) for cfg in cfgs}
         first, per_round = measure(cfgs, objects, lambda o: o.step(), args.rounds, args.steps, args.warmup)
         print_table(f"optimizer step alone, {n / 1e6:.1f}M fp32 params ({len(shapes)} tensors), "
-                    f"{args.rounds} rounds x {args.steps} steps; x AdamW = torch AdamW (foreach)", cfgs, first, per_round,
+                    f"{args.rounds} rounds x {args.steps} steps; x AdamW = torch AdamW (fused=True)", cfgs, first, per_round,
                     cfgs[0].name)
         del objects
     if args.skip != "demo":
