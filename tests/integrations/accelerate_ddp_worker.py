@@ -74,12 +74,15 @@ def main(out_path):
         ref.step()
         ref.zero_grad()
         ref.observe_loss(sum(last) / world)
+    diff = (flat_params(ref_model) - params).abs()
     result = {
         "ranks_identical": bool(torch.equal(everyone[0], everyone[1])),
         "step_counts": summary[:, 0].tolist(),
         "switched_at": summary[:, 1].tolist(),
         "bits_per_param": summary[:, 2].tolist(),
-        "max_diff_from_reference": float((flat_params(ref_model) - params).abs().max()),
+        "max_diff_from_reference": float(diff.max()),
+        "over_1e-5": int((diff > 1e-5).sum()),
+        "n_params": diff.numel(),
         "moved": float((params - flat_params(mlp(0))).abs().max()),
         "reference_step_count": ref.step_count,
         "reference_switched": ref.policy.switched,
