@@ -19,7 +19,7 @@ from accelerate import Accelerator  # noqa: E402
 
 import optstate_accelerate as osa  # noqa: E402
 import optstate_core as oc  # noqa: E402
-from helpers import batch, flat_params, mlp  # noqa: E402
+from helpers import batch, flat_params, mlp, same_up_to_rounding_flips  # noqa: E402
 
 ACCUM, WINDOWS, LR = 2, 6, 1e-2
 
@@ -82,7 +82,7 @@ def main(out_path):
         "bits_per_param": summary[:, 2].tolist(),
         "max_diff_from_reference": float(diff.max()),
         "over_1e-5": int((diff > 1e-5).sum()),
-        "n_params": diff.numel(),
+        "same_up_to_rounding_flips": same_up_to_rounding_flips(diff),
         "moved": float((params - flat_params(mlp(0))).abs().max()),
         "reference_step_count": ref.step_count,
         "reference_switched": ref.policy.switched,

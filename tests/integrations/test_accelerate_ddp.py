@@ -40,10 +40,5 @@ def test_ddp_two_cpu_processes_int8(tmp_path):
     assert result["reference_step_count"] == 6 and result["reference_switched"]
     # DDP + accumulation == one process stepping on the mean gradient of all ranks' micro-batches
     assert result["moved"] > 1e-2
-    # Allreduce and the reference sum the same gradients in another order (~1e-7 apart); where
-    # that moves a value across an int8 rounding threshold its code differs by one step, which
-    # moves that parameter by up to ~lr/25 over the remaining steps (seen: 1 of 6792 by 3.9e-4 on
-    # one CPU, none on another). So: nearly every parameter agrees to 1e-5, none is off by more
-    # than a few code steps' worth of update.
-    assert result["over_1e-5"] <= max(3, result["n_params"] // 200), result
-    assert result["max_diff_from_reference"] < 2e-3, result
+    # seen: 1 of 6792 parameters 3.9e-4 off on one CPU, none on another (helpers.py says why)
+    assert result["same_up_to_rounding_flips"], result
