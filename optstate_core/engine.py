@@ -25,6 +25,7 @@ import torch
 
 from .conform import Conformer
 from . import passthrough_skip
+from .backward_check import BackwardCheck
 from .cpu_step import run_cpu_fast
 from .follow import follow_params, remember_params
 from .fused import FusedPath
@@ -71,6 +72,7 @@ class Engine:
         self.fused = FusedPath(self, fused)
         self.kernels = KernelLauncher(self, stochastic_param_rounding)
         self.schedule = StepSchedule(self, prefetch_budget)
+        self.backward_check = BackwardCheck()
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
@@ -172,6 +174,7 @@ class Engine:
                 (fused.append((w, plan)) if plan is not None else still.append(w))
             passthrough = still
         on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
+        self._check_in_backward([w.key for w in passthrough] if on_device and passthrough[0].key.is_cuda else [])
         checked = tiled if on_device else passthrough + tiled  # the fused paths skip on the device
         if self.skip_nonfinite and checked:
             kept = {id(w) for w in self._drop_nonfinite(checked)}
@@ -192,6 +195,16 @@ class Engine:
         self._plan_cache = (signature, buckets, items, self._state_identity(params), on_device) if cacheable else None
         self.schedule.index_offloaded(buckets if cacheable else [])
         return buckets
+
+    def _check_in_backward(self, params) -> None:
+        """Have later steps' gradients of ``params`` (and no others) checked for NaN/inf in
+        backward (:mod:`~optstate_core.backward_check`); not under gradient release, whose hooks
+        consume the gradients."""
+        release = getattr(self, "gradient_release", None)
+        if release is not None and release.release:
+            params = []
+        self.backward_check.watch(params)
+        self.schedule.register_hooks(params)
 
     def _signature(self):
         """What a cached plan depends on besides the state objects: the parameters with

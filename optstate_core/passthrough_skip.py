@@ -6,6 +6,7 @@ torch's fused kernel updates): if any of their gradients holds a NaN/inf, none o
 their states keep their values and their ``step`` counts stay put (torch restores them), and
 the event counts once per parameter. With finite gradients the call is exactly torch's own
 (``found_inf`` = 0 only adds a check inside torch's kernel), so results stay bit-identical.
+Gradients already checked during backward (:mod:`~optstate_core.backward_check`) are not read again.
 """
 from __future__ import annotations
 
@@ -37,12 +38,14 @@ def run(engine, items: List[tuple]) -> None:
     """Step ``items`` with torch's fused kernel, skipped as a whole on the device when a gradient
     is not finite; adds the skipped parameters to the kernels' device counter."""
     inner = engine.inner
-    grads = [p.grad for p, _, _ in items if p.grad is not None and p.grad.numel()]
-    if not grads:
+    known, unknown = engine.backward_check.split([p for p, _, _ in items])
+    if not known and not unknown:
         run_inner(inner, items, engine.state)
         return
-    norms = torch._foreach_norm(grads, float("inf"))
-    found_inf = (~(torch.stack(norms).float() < GRAD_OVERFLOW)).any().to(torch.float32)  # NaN too
+    if unknown:
+        known.append(torch.stack(torch._foreach_norm(unknown, float("inf"))).float())
+    maxima = known[0] if len(known) == 1 else torch.cat(known)
+    found_inf = (~(maxima < GRAD_OVERFLOW)).any().to(torch.float32)  # NaN too
     inner.found_inf = found_inf
     try:
         run_inner(inner, items, engine.state)

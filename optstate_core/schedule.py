@@ -103,8 +103,10 @@ class StepSchedule:
         return self.area.entries
 
     def gradient_ready(self, param) -> None:
-        """Backward hook body: prefetch offloaded state, or (on the step boundary) release the
-        gradient: update the parameter now and free it (:mod:`~optstate_core.release`)."""
+        """Backward hook body: check the gradient for NaN/inf (:mod:`~optstate_core.backward_check`),
+        prefetch offloaded state, or (on the step boundary) release the gradient: update the
+        parameter now and free it (:mod:`~optstate_core.release`)."""
+        self.engine.backward_check.observe(param)
         if self.area.enabled:
             self.prefetch(param)
         if self.release is not None and self.boundary.will_step:

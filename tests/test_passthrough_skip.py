@@ -56,3 +56,35 @@ def test_nonfused_passthrough_keeps_per_parameter_skipping():
     opt.step()
     assert torch.equal(model[0].weight, w0) and not torch.equal(model[2].bias, b2)
     assert opt.memory_report()["nonfinite_skipped"] == 1
+
+
+def test_a_backward_check_describes_only_the_unchanged_gradient():
+    """backward_check.py uses a maximum taken in backward only for the very tensor it saw:
+    same object, storage and version; any in-place change, a new tensor or a swapped storage
+    sends the gradient back to the step's own check."""
+    from optstate_core.backward_check import _Seen
+    g = torch.randn(8, 8)
+    seen = _Seen(g, g.abs().max().reshape(1), 0)
+    assert seen.describes(g)
+    assert not seen.describes(g.clone())  # a gradient replaced by another tensor
+    g.mul_(0.5)  # clipping, unscaling, an accumulating backward: the version moves
+    assert not seen.describes(g)
+    seen = _Seen(g, g.abs().max().reshape(1), 0)
+    g.data = torch.randn(8, 8)  # a swapped storage (torch does not count it as a version)
+    assert not seen.describes(g)
+
+
+def test_the_backward_check_stays_off_on_the_cpu():
+    """On the CPU nothing is taken in backward (no stream to overlap with): every gradient is
+    checked in the step, as the engine's plan never activates it there."""
+    model = mlp()
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), "fp32")
+    for s in range(3):
+        grads_of(model, s)
+        opt.step()
+    check = opt._engine.backward_check
+    assert not check.active and check.used == 0
+    check.watch(model.parameters())  # even if asked to: CPU gradients are not observed
+    check.observe(next(model.parameters()))
+    known, unknown = check.split(list(model.parameters()))
+    assert known == [] and len(unknown) == len(list(model.parameters()))

@@ -112,7 +112,9 @@ def _third_party(device) -> Dict[str, Config]:
     return out
 
 
-def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 0) -> dict:
+def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 0, backward: bool = False) -> dict:
+    """Time ``cfg``'s step on Llama-shaped parameters; with ``backward``, every step's gradients
+    come from an (untimed in the step) autograd backward, so backward hooks run as in training."""
     gc.collect()  # the previous configuration's memory must not be freed inside this one's window
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -129,15 +131,32 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    fixed = [p.grad for p in params]
+    backward_ms = []
+
+    def new_grads(params=params):  # a backward yielding the same gradients: AccumulateGrad and its hooks run
+        if backward:
+            sync(device)
+            t = time.perf_counter()
+            for p in params:
+                p.grad = None
+            torch.autograd.backward(params, fixed)
+            sync(device)
+            backward_ms.append((time.perf_counter() - t) * 1e3)
+
     for _ in range(warmup):
+        new_grads()
         opt.step()
     sync(device)
     held = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else state_bytes(opt)
+    if backward and device.type == "cuda":  # the backward's gradients sit beside the kept ``fixed`` ones
+        held -= sum(g.numel() * g.element_size() for g in fixed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     times, walls = [], []  # CUDA events on the compute stream; wall clock until the device is idle
     for _ in range(steps):
+        new_grads()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
@@ -161,6 +180,7 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
     return {"n_params": n, "weights": str(cfg.weights).replace("torch.", ""),
             "bits_per_param": 8.0 * held / n, "step_ms": statistics.median(times),
             "wall_ms": statistics.median(walls),
+            "backward_ms": statistics.median(backward_ms[warmup:]) if backward else None,
             "peak_extra_bytes": peak, "encoded_bytes": encoded, "host_bytes": report["host_bytes"] if report else None,
             "encoded_bits_per_param": 8.0 * report["device_bytes"] / n if report else None}
 
@@ -177,6 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "int8_offload, ...; the master-weight presets " + ",".join(MASTER_PRESETS) +
                              "; with --compare also " + ",".join(THIRD_PARTY_NAMES) + "); adamw is always run")
     parser.add_argument("--compare", action="store_true", help="add bitsandbytes / torchao when installed")
+    parser.add_argument("--backward", action="store_true",
+                        help="produce every step's gradients with an autograd backward (backward hooks run, as in "
+                             "training: the fp32 path's NaN/inf check moves there); adds its wall ms")
     parser.add_argument("--tune", default=None,
                         help="kernel launch shapes to try for the fused configurations, e.g. '2x4,4x4,8x8' "
                              "(tiles of 256 per program x warps); each adds rows")
@@ -234,7 +257,7 @@ def run(args) -> int:
                     name = f"{label} [{variant[0]}x256, {variant[1]} warps]"
             log.info("bench: %s", name)
             try:
-                r = bench_one(cfg, shapes, device, args.steps, args.warmup)
+                r = bench_one(cfg, shapes, device, args.steps, args.warmup, backward=args.backward)
             except Exception as e:  # keep the table going; report the failure in its row
                 log.warning("bench: %s failed: %s", name, e)
                 rows.append((name, cfg, None))
@@ -259,6 +282,8 @@ def print_table(rows, device, bandwidth) -> None:
           f"torch {torch.__version__}")
     head = f"| {'configuration':<34} | params | state bits/param | encoded bits/param | step ms | " \
            f"x {'fused' if device.type == 'cuda' else 'foreach'} | wall ms | x (wall) | peak extra MB | PCIe floor ms (one way / duplex) | x floor |"
+    if any(r and r.get("backward_ms") is not None for _, _, r in rows):
+        head += " backward ms (before the step, wall until idle) |"
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for label, cfg, r in rows:
@@ -276,7 +301,8 @@ def print_table(rows, device, bandwidth) -> None:
         enc = "" if r.get("encoded_bits_per_param") is None else f"{r['encoded_bits_per_param']:.2f}"
         print(f"| {label:<34} | {r['weights'].replace('float32', 'fp32').replace('bfloat16', 'bf16'):>6} |"
               f" {r['bits_per_param']:15.2f} | {enc:>18} | {r['step_ms']:7.2f} | {ratio:7.2f} |"
-              f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {peak:>13} | {floor:>31} | {x_floor:>7} |")
+              f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {peak:>13} | {floor:>31} | {x_floor:>7} |"
+              + ("" if r.get("backward_ms") is None else f" {r['backward_ms']:.2f} |"))
     if any(c.weights != torch.float32 for _, c, r in rows if r):
         print("bf16 rows: bf16 parameters and gradients with fp32 master weights kept as state; their "
               "state bits include the master correction")

@@ -1,5 +1,7 @@
 """Real-GPU checks (skipped without CUDA): the fused step never syncs with the host, is captured
 in a CUDA graph, and is picked automatically. (tests/kernels also run on the GPU when present.)"""
+import copy
+
 import pytest
 import torch
 
@@ -97,6 +99,55 @@ def test_fp32_passthrough_skips_on_the_device_and_stays_bit_identical():
         for p, q in zip(ps, qs):
             assert torch.equal(p, q), step
     assert opt.memory_report()["nonfinite_skipped"] == len(SHAPES)
+
+
+def test_fp32_passthrough_checks_gradients_in_backward():
+    """From the second step on, the fp32 passthrough step uses the NaN/inf maxima that backward
+    hooks took on a side stream (backward_check.py), still bit-identical to torch's fused AdamW
+    and sync-free; a NaN from backward skips the step, and a gradient changed after backward (in
+    place, or replaced) is checked again in the step, so its NaN skips the step too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+    ref_model = copy.deepcopy(model)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "fp32")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
+    params = list(model.parameters())
+    check = opt._engine.backward_check
+    skips = 0
+    for step in range(7):
+        x = torch.randn(32, 64, device="cuda")
+        if step == 5:
+            x[0, 0] = float("nan")  # the NaN comes out of backward itself
+        for m in (model, ref_model):
+            m.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+        if step == 3:
+            params[0].grad[0, 0] = float("inf")  # in place, after the hook saw the gradient
+        if step == 4:
+            params[2].grad = params[2].grad.clone()
+            params[2].grad[1] = float("nan")  # a new tensor, after the hook
+        before = [p.detach().clone() for p in params]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if step == 0:
+            assert check.used == 0  # the hooks are registered by the first step's plan
+        elif step in (3, 4):
+            assert check.used == len(params) - 1  # the changed gradient was checked in the step
+        else:
+            assert check.used == len(params)
+        if step in (3, 4, 5):
+            skips += len(params)
+            assert all(torch.equal(p, b) for p, b in zip(params, before)), step
+            continue
+        ref.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, ref_model.parameters())), step
+    assert opt.memory_report()["nonfinite_skipped"] == skips
+    copied = copy.deepcopy(opt)  # streams and weak references are not copied
+    assert not copied._engine.backward_check.active
 
 
 def _flat(ps):
