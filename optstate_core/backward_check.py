@@ -14,7 +14,8 @@ is provably the same: the same tensor object, the same storage and the same vers
 Everything else (a gradient no hook saw, one replaced or changed since) is checked in the step as
 before. Not covered: writes through ``grad.data``, which torch does not count; documented in
 README. Not used while torch.distributed runs several processes (DDP averages gradients in
-place after the hook) nor on CPU (no stream to overlap with).
+place after the hook), on CPU (no stream to overlap with), nor in CUDA-graph capture (a replayed
+step must check the gradients of its replay).
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ class BackwardCheck:
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
         self._queued: Dict[tuple, list] = {}  # (device, dtype) -> [(param id, grad)] not yet taken
         self._queued_bytes = 0
+        # gradients the side stream reads: a gradient freed meanwhile (zero_grad) would be reused
+        # by the current stream; holding it instead of record_stream keeps the allocator's
+        # blocks free of cross-stream events (which made it allocate anew and stall)
+        self._reading: List[torch.Tensor] = []
         self._arrived = 0  # gradients since every watched one last arrived
         self.used = 0  # gradients of the last step whose check came from backward
 
@@ -75,7 +80,7 @@ class BackwardCheck:
         every watched gradient has arrived."""
         g = param.grad
         if id(param) not in self._watched or g is None or not g.is_cuda or g.layout != torch.strided \
-                or not g.numel():
+                or not g.numel() or torch.cuda.is_current_stream_capturing():
             return
         self._queued.setdefault((g.device, g.dtype), []).append((id(param), g))
         self._queued_bytes += g.numel() * g.element_size()
@@ -97,8 +102,8 @@ class BackwardCheck:
             grads = [g for _, g in items]
             with torch.cuda.stream(side):
                 maxima = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+            self._reading.extend(grads)  # kept alive until the current stream waits for the side stream
             for i, (key, g) in enumerate(items):
-                g.record_stream(side)  # freed before a step (zero_grad): not reused while being read
                 self._seen[key] = _Seen(g, maxima, i)
         self._queued.clear()
         self._queued_bytes = 0
@@ -107,12 +112,14 @@ class BackwardCheck:
         """``(1-D float32 tensors of the maxima taken in backward that still describe these
         parameters' gradients, gradients to check now)``; the current stream waits for the side
         streams. A call's maxima are used whole when all of them still hold (the usual case)."""
-        if self._queued:
+        capturing = bool(self._watched) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self._queued and not capturing:
             self._take_queued()
         self._arrived = 0
         unknown = []
         valid: Dict[int, tuple] = {}  # id(maxima) -> (maxima, indices still valid)
-        seen = self._seen if self._watched and not _several_processes() else {}
+        # a captured step is replayed after later backwards: it must check its gradients itself
+        seen = self._seen if self._watched and not capturing and not _several_processes() else {}
         for p in params:
             g = p.grad
             if g is None or not g.numel():
@@ -128,14 +135,15 @@ class BackwardCheck:
                 known.append(maxima)
             else:  # some gradients of that call changed since: views of the others (no index upload)
                 known.append(torch.stack([maxima[i] for i in indices]))
-        if known:
+        if (known or self._reading) and not capturing:  # (known is empty while capturing)
             for device, side in self._streams.items():
                 torch.cuda.current_stream(device).wait_stream(side)
+            self._reading = []
         self.used = sum(len(indices) for _, indices in valid.values())
         return known, unknown
 
     def __getstate__(self):
         """Copies and pickles keep nothing: no streams, no weak references; inactive until the
         copy's engine plans a step that uses it."""
-        return {"_watched": set(), "_seen": {}, "_streams": {}, "_queued": {}, "_queued_bytes": 0, "_arrived": 0,
-                "used": 0}
+        return {"_watched": set(), "_seen": {}, "_streams": {}, "_queued": {}, "_queued_bytes": 0, "_reading": [],
+                "_arrived": 0, "used": 0}

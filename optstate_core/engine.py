@@ -73,6 +73,7 @@ class Engine:
         self.kernels = KernelLauncher(self, stochastic_param_rounding)
         self.schedule = StepSchedule(self, prefetch_budget)
         self.backward_check = BackwardCheck()
+        self.check_in_backward = False  # wrap(check_in_backward=...)
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
@@ -198,10 +199,10 @@ class Engine:
 
     def _check_in_backward(self, params) -> None:
         """Have later steps' gradients of ``params`` (and no others) checked for NaN/inf in
-        backward (:mod:`~optstate_core.backward_check`); not under gradient release, whose hooks
-        consume the gradients."""
+        backward (:mod:`~optstate_core.backward_check`): only with ``check_in_backward=True`` and not
+        under gradient release, whose hooks consume the gradients."""
         release = getattr(self, "gradient_release", None)
-        if release is not None and release.release:
+        if not self.check_in_backward or (release is not None and release.release):
             params = []
         self.backward_check.watch(params)
         self.schedule.register_hooks(params)

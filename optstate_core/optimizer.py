@@ -47,6 +47,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
             holding it untouched, torch's fused Adam/AdamW on fp32 state skips its whole call,
             the reference path the parameter (README: NaN/inf gradients). ``False`` behaves
             like torch.
+        check_in_backward: with ``skip_nonfinite``, check the CUDA gradients of fp32 state stepped
+            by torch's fused Adam/AdamW for NaN/inf during backward, on a side stream, instead
+            of reading them once more in the step (default False: the step gets faster, a
+            training iteration did not reliably; README: NaN/inf gradients).
         seed: seed of the counter-based hash used by stochastic rounding.
         elementwise: whether the inner update is elementwise (tiles allowed). Default: known
             for torch.optim's elementwise optimizers, False for any other optimizer.
@@ -89,7 +93,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, *,
                  chunk_bytes=DEFAULT_CHUNK_BYTES, chunk_size: Optional[int] = None,
                  initial_chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = None,
-                 pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, seed: int = 0,
+                 pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, check_in_backward: bool = False,
+                 seed: int = 0,
                  elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
@@ -115,6 +120,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
             raise ValueError(f"pin_memory must be None, True or False, got {pin_memory!r}")
         if not isinstance(skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+        if not isinstance(check_in_backward, bool):
+            raise ValueError(f"check_in_backward must be True or False, got {check_in_backward!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if fused is not None and not isinstance(fused, bool):
@@ -165,6 +172,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                         fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
                         staging_bytes=staging_bytes, prefetch_budget=prefetch_budget)
         engine.placement.offload_all = offload
+        engine.check_in_backward = check_in_backward
         engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode)
         if release_gradients:
             engine.gradient_release.group = check_release_supported(

@@ -98,6 +98,7 @@ def test_frozen_none_grad_and_zero_size_parameters():
     (dict(initial_chunk_size=1.5), "initial_chunk_size"),
     (dict(pin_memory="yes"), "pin_memory"),
     (dict(skip_nonfinite=None), "skip_nonfinite"),
+    (dict(check_in_backward=1), "check_in_backward"),
     (dict(seed="x"), "seed"),
     (dict(elementwise=1), "elementwise"),
     (dict(policy=object()), "policy"),

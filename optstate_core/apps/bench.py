@@ -8,6 +8,13 @@ during ``step()``. The master-weight presets (``bf16w-*``) step the same values 
 (bf16 parameters and gradients, fp32 masters as parameter + correction), against the same fp32
 AdamW row; their state bits include the correction. Configurations with host-tier state also print
 their PCIe floor (host-tier bytes up and down over the measured pinned bandwidth).
+
+Timings on CUDA (medians over ``--steps``): "step ms", CUDA events around ``step()`` right after
+a device synchronisation (the device idles while the host prepares the step, so host work before
+the first launch counts); "wall ms", wall clock from there until the device is idle (copies on
+other streams included); "device ms, host ahead", CUDA events around a step whose launches were
+all queued before the device reached it (a sleep kernel holds the device), as in a training loop
+whose host runs ahead of the device; "host ms", the ``step()`` call's own wall time then.
 """
 from __future__ import annotations
 
@@ -84,6 +91,7 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
         "optstate int8 offloaded": Config("int8_offload", _wrapped("8bit", offload=True), offloaded=True),
         "optstate fp32 offloaded": Config("fp32_offload", _wrapped("fp32", offload=True), offloaded=True),
         "optstate fp32, skip_nonfinite=False": Config("fp32_nocheck", _wrapped("fp32", skip_nonfinite=False)),
+        "optstate fp32, check_in_backward=True": Config("fp32_bwcheck", _wrapped("fp32", check_in_backward=True)),
         "optstate int8, skip_nonfinite=False": Config("int8_nocheck", _wrapped("8bit", skip_nonfinite=False)),
         "optstate 4bit, skip_nonfinite=False": Config("4bit_nocheck", _wrapped("4bit", skip_nonfinite=False)),
     }
@@ -173,6 +181,7 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
             times.append((time.perf_counter() - t) * 1e3)
             walls.append(times[-1])
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else float("nan")
+    device_ms, host_ms = _host_ahead(opt, new_grads, steps) if device.type == "cuda" else (times, times)
     report = opt.memory_report() if hasattr(opt, "memory_report") else None
     encoded = report["state_bytes"] if report else None
     del opt, params
@@ -180,9 +189,35 @@ def bench_one(cfg: Config, shapes, device, steps: int, warmup: int, seed: int = 
     return {"n_params": n, "weights": str(cfg.weights).replace("torch.", ""),
             "bits_per_param": 8.0 * held / n, "step_ms": statistics.median(times),
             "wall_ms": statistics.median(walls),
+            "device_ms": statistics.median(device_ms), "host_ms": statistics.median(host_ms),
             "backward_ms": statistics.median(backward_ms[warmup:]) if backward else None,
             "peak_extra_bytes": peak, "encoded_bytes": encoded, "host_bytes": report["host_bytes"] if report else None,
             "encoded_bits_per_param": 8.0 * report["device_bytes"] / n if report else None}
+
+
+#: GPU cycles the device sleeps before a "host ahead" step (~50 ms at 2 GHz): longer than any
+#: step's host work before its first launch, so every launch is queued when the device gets there
+HOLD_CYCLES = 100_000_000
+
+
+def _host_ahead(opt, new_grads, steps: int):
+    """Per step: the device time of ``step()`` when the host runs ahead, as in a training loop
+    (the device is held busy by a sleep kernel until the host has queued the whole step; CUDA
+    events around the step on the compute stream), and the host time of the ``step()`` call."""
+    device_ms, host_ms = [], []
+    for _ in range(steps):
+        new_grads()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOLD_CYCLES)
+        start.record()
+        t = time.perf_counter()
+        opt.step()
+        host_ms.append((time.perf_counter() - t) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        device_ms.append(start.elapsed_time(end))
+    return device_ms, host_ms
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -281,17 +316,19 @@ def print_table(rows, device, bandwidth) -> None:
     print(f"\noptimizer step, {n / 1e9:.3f}B params, device {device_name(device)}, "
           f"torch {torch.__version__}")
     head = f"| {'configuration':<34} | params | state bits/param | encoded bits/param | step ms | " \
-           f"x {'fused' if device.type == 'cuda' else 'foreach'} | wall ms | x (wall) | peak extra MB | PCIe floor ms (one way / duplex) | x floor |"
+           f"x {'fused' if device.type == 'cuda' else 'foreach'} | wall ms | x (wall) | device ms, host ahead | x (ahead) " \
+           f"| host ms | peak extra MB | PCIe floor ms (one way / duplex) | x floor |"
     if any(r and r.get("backward_ms") is not None for _, _, r in rows):
         head += " backward ms (before the step, wall until idle) |"
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for label, cfg, r in rows:
         if r is None:
-            print(f"| {label:<34} | | failed | | | | | | | | |")
+            print(f"| {label:<34} | | failed | | | | | | | | | | | |")
             continue
         ratio = r["step_ms"] / ref["step_ms"] if ref else float("nan")
         wall_ratio = r["wall_ms"] / ref["wall_ms"] if ref else float("nan")
+        ahead_ratio = r["device_ms"] / ref["device_ms"] if ref else float("nan")
         floor, x_floor = "", ""
         if cfg.offloaded and r.get("host_bytes") and one_way == one_way:  # S up while S comes back down
             floors = [r["host_bytes"] / bw * 1e3 for bw in (one_way, duplex)]
@@ -301,7 +338,8 @@ def print_table(rows, device, bandwidth) -> None:
         enc = "" if r.get("encoded_bits_per_param") is None else f"{r['encoded_bits_per_param']:.2f}"
         print(f"| {label:<34} | {r['weights'].replace('float32', 'fp32').replace('bfloat16', 'bf16'):>6} |"
               f" {r['bits_per_param']:15.2f} | {enc:>18} | {r['step_ms']:7.2f} | {ratio:7.2f} |"
-              f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {peak:>13} | {floor:>31} | {x_floor:>7} |"
+              f" {r['wall_ms']:7.2f} | {wall_ratio:8.2f} | {r['device_ms']:21.2f} | {ahead_ratio:9.2f} |"
+              f" {r['host_ms']:7.2f} | {peak:>13} | {floor:>31} | {x_floor:>7} |"
               + ("" if r.get("backward_ms") is None else f" {r['backward_ms']:.2f} |"))
     if any(c.weights != torch.float32 for _, c, r in rows if r):
         print("bf16 rows: bf16 parameters and gradients with fp32 master weights kept as state; their "

@@ -52,7 +52,7 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
     out = {
         "forward+backward only": None,
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
-        "optstate fp32 (passthrough, NaN/inf check in backward)": ours("fp32"),
+        "optstate fp32 (passthrough)": ours("fp32"),
         "optstate int8 resident": ours("8bit"),
         "optstate 4bit resident": ours("4bit"),
         # offloaded rows: the default (backward-time prefetch, "auto") and the staging ring alone beside it

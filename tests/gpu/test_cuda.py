@@ -102,14 +102,14 @@ def test_fp32_passthrough_skips_on_the_device_and_stays_bit_identical():
 
 
 def test_fp32_passthrough_checks_gradients_in_backward():
-    """From the second step on, the fp32 passthrough step uses the NaN/inf maxima that backward
-    hooks took on a side stream (backward_check.py), still bit-identical to torch's fused AdamW
+    """With check_in_backward, from the second step on, the fp32 passthrough step uses the NaN/inf
+    maxima that backward hooks took on a side stream (backward_check.py), still bit-identical to torch's fused AdamW
     and sync-free; a NaN from backward skips the step, and a gradient changed after backward (in
     place, or replaced) is checked again in the step, so its NaN skips the step too."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
     ref_model = copy.deepcopy(model)
-    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "fp32")
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "fp32", check_in_backward=True)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
     params = list(model.parameters())
     check = opt._engine.backward_check
@@ -148,6 +148,52 @@ def test_fp32_passthrough_checks_gradients_in_backward():
     assert opt.memory_report()["nonfinite_skipped"] == skips
     copied = copy.deepcopy(opt)  # streams and weak references are not copied
     assert not copied._engine.backward_check.active
+    off = oc.wrap(torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True), "fp32")  # the default
+    for _ in range(2):
+        ref_model.zero_grad(set_to_none=True)
+        ref_model(torch.randn(32, 64, device="cuda")).square().mean().backward()
+        off.step()
+    assert off._engine.backward_check.used == 0 and not off._engine.backward_check.active
+
+
+def test_a_captured_fp32_step_checks_the_gradients_of_each_replay():
+    """A passthrough step captured in a CUDA graph checks its gradients inside the graph: maxima
+    that a backward took before the capture would be stale at every replay."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32).cuda()
+    inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
+    opt = oc.wrap(inner, "fp32", check_in_backward=True)
+    x = torch.randn(16, 64, device="cuda")
+
+    def backward():  # into the same gradient tensors every time (zero_grad keeps them)
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+
+    for _ in range(2):
+        backward()
+        opt.step()
+    assert opt._engine.backward_check.used == 2  # eager steps use the backward's maxima
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backward()
+        opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    backward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    assert opt._engine.backward_check.used == 0
+    for nan in (False, True, False):
+        backward()
+        if nan:
+            model.weight.grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        graph.replay()
+        torch.cuda.synchronize()
+        moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+        assert moved == [not nan] * 2, nan
+        assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def _flat(ps):
