@@ -60,10 +60,11 @@ class BackwardCheck:
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
         self._queued: Dict[tuple, list] = {}  # (device, dtype) -> [(param id, grad)] not yet taken
         self._queued_bytes = 0
-        # gradients the side stream reads: a gradient freed meanwhile (zero_grad) would be reused
-        # by the current stream; holding it instead of record_stream keeps the allocator's
-        # blocks free of cross-stream events (which made it allocate anew and stall)
-        self._reading: List[torch.Tensor] = []
+        # (event, gradients) of each side-stream read not known to be done: a gradient freed
+        # meanwhile (zero_grad) would be reused by the current stream, so it is held until its
+        # read is done or the current stream waits for the side stream (not record_stream: it
+        # leaves cross-stream events on the allocator's blocks)
+        self._reading: List[tuple] = []
         self._arrived = 0  # gradients since every watched one last arrived
         self.used = 0  # gradients of the last step whose check came from backward
 
@@ -102,7 +103,9 @@ class BackwardCheck:
             grads = [g for _, g in items]
             with torch.cuda.stream(side):
                 maxima = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
-            self._reading.extend(grads)  # kept alive until the current stream waits for the side stream
+            done = torch.cuda.Event()
+            done.record(side)
+            self._reading = [(e, gs) for e, gs in self._reading if not e.query()] + [(done, grads)]
             for i, (key, g) in enumerate(items):
                 self._seen[key] = _Seen(g, maxima, i)
         self._queued.clear()

@@ -156,6 +156,24 @@ def test_fp32_passthrough_checks_gradients_in_backward():
     assert off._engine.backward_check.used == 0 and not off._engine.backward_check.active
 
 
+def test_backward_checks_without_steps_hold_no_old_gradients():
+    """Backwards without a step (gradients dropped each time) must not pile up gradients that the
+    side stream has finished reading: only reads still in flight keep theirs."""
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), fused=True), "fp32", check_in_backward=True)
+    x = torch.randn(8, 256, device="cuda")
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(20):
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+        opt.zero_grad(set_to_none=True)
+    check = opt._engine.backward_check
+    assert len(check._reading) == 1 and len(check._seen) == 2
+
+
 def test_a_captured_fp32_step_checks_the_gradients_of_each_replay():
     """A passthrough step captured in a CUDA graph checks its gradients inside the graph: maxima
     that a backward took before the capture would be stale at every replay."""
