@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import repeat
+from operator import attrgetter, is_, is_not, methodcaller
 from typing import Dict, Optional
 
 import torch
@@ -41,6 +43,9 @@ from .transfer import Transfers
 from .work import StepMetrics, Work, describe_param
 
 log = logging.getLogger("optstate")
+
+_GRAD, _DTYPE, _DEVICE, _SHAPE, _LAYOUT = (attrgetter(a) for a in ("grad", "dtype", "device", "shape", "layout"))
+_CONTIGUOUS = methodcaller("is_contiguous")
 
 
 class Engine:
@@ -209,15 +214,21 @@ class Engine:
 
     def _signature(self):
         """What a cached plan depends on besides the state objects: the parameters with
-        gradients, group options that change eligibility, and the policy's decisions now."""
+        gradients, group options that change eligibility, and the policy's decisions now.
+        (Per-parameter fields are gathered with ``map``: this runs before every cached step.)"""
         parts = []
         for g in self.inner.param_groups:
-            parts.append(group_signature(g))
-            parts.extend((id(p), p.grad is not None, p.dtype, p.device) for p in g["params"])
+            ps = g["params"]
+            parts.append((group_signature(g), tuple(map(id, ps)), tuple(map(is_not, map(_GRAD, ps), repeat(None))),
+                          tuple(map(_DTYPE, ps)), tuple(map(_DEVICE, ps))))
         return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
 
     def _state_identity(self, params):
-        return [(p, self.state.get(p), tuple(map(id, self.state[p].values()))) for p in params]
+        """The cached plan's parameters, their state dicts, the ids of those dicts' values, their
+        shapes and dtypes (every gradient must have them too)."""
+        states = [self.state.get(p) for p in params]
+        return (params, states, [tuple(map(id, st.values())) for st in states], list(map(_SHAPE, params)),
+                list(map(_DTYPE, params)))
 
     def _cached_plan(self, signature):
         """The previous step's plan (fused buckets, passthrough items) if nothing it depends on
@@ -225,13 +236,14 @@ class Engine:
         cache = self.__dict__.get("_plan_cache")
         if cache is None or cache[0] != signature:
             return None
-        _, buckets, items, identity, on_device = cache
-        for p, st, ids in identity:
-            if self.state.get(p) is not st or tuple(map(id, st.values())) != ids:
-                return None
-            g = p.grad
-            if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous():
-                return None
+        _, buckets, items, (params, states, ids, shapes, dtypes), on_device = cache
+        if not all(map(is_, map(self.state.get, params), states)) or \
+                [tuple(map(id, st.values())) for st in states] != ids or list(map(_SHAPE, params)) != shapes:
+            return None
+        grads = list(map(_GRAD, params))
+        if list(map(_SHAPE, grads)) != shapes or list(map(_DTYPE, grads)) != dtypes or \
+                list(map(_LAYOUT, grads)).count(torch.strided) != len(grads) or not all(map(_CONTIGUOUS, grads)):
+            return None
         if items and self.skip_nonfinite and not on_device and not all_finite([p.grad for p, _, _ in items]):
             return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
