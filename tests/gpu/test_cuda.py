@@ -12,6 +12,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SHAPES = [(512, 1024), (4096,), (300, 700), (7,)]
 
 
+def step_without_sync(opt, steps: int = 1):
+    """``opt.step()`` with CUDA's sync debug mode raising on any host synchronisation."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def setup(preset, lr=1e-3, **kw):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
@@ -26,13 +37,7 @@ def test_fused_step_is_automatic_and_never_syncs(preset):
     ps, opt = setup(preset)
     opt.step()  # first step allocates state
     assert opt.last_step_timings["fused_params"] == len(SHAPES)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_sync(opt, 3)
     assert opt.last_step_timings["fused_params"] == len(SHAPES)
 
 
@@ -88,12 +93,7 @@ def test_fp32_passthrough_skips_on_the_device_and_stays_bit_identical():
             q.grad = p.grad.clone()
         if step == 2:
             ps[0].grad[3, 3] = float("inf")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        step_without_sync(opt)
         if step != 2:
             ref.step()
         for p, q in zip(ps, qs):
@@ -127,12 +127,7 @@ def test_fp32_passthrough_checks_gradients_in_backward():
             params[2].grad = params[2].grad.clone()
             params[2].grad[1] = float("nan")  # a new tensor, after the hook
         before = [p.detach().clone() for p in params]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        step_without_sync(opt)
         if step == 0:
             assert check.used == 0  # the hooks are registered by the first step's plan
         elif step in (3, 4):
@@ -227,13 +222,7 @@ def test_streamed_state_matches_resident_and_never_syncs(options):
         opt.step()
         ref.step()
     assert opt.memory_report()["host_bytes"] > 0
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_sync(opt, 3)
     for _ in range(3):
         ref.step()
     assert opt.last_step_timings["h2d_bytes"] > 0
