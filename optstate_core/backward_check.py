@@ -20,10 +20,13 @@ step must check the gradients of its replay).
 from __future__ import annotations
 
 import weakref
+from operator import attrgetter
 from typing import Dict, List, Set, Tuple
 
 import torch
 
+
+_GRAD = attrgetter("grad")
 
 #: gradients wait in a queue until this many bytes (or every watched gradient) arrived, then one
 #: call takes their maxima: a hook then costs a list append, not a launch and a stream wait
@@ -115,6 +118,9 @@ class BackwardCheck:
         """``(1-D float32 tensors of the maxima taken in backward that still describe these
         parameters' gradients, gradients to check now)``; the current stream waits for the side
         streams. A call's maxima are used whole when all of them still hold (the usual case)."""
+        if not self._watched and not self._reading:  # the default (check_in_backward=False): no per-parameter work
+            self.used = 0
+            return [], [g for g in map(_GRAD, params) if g is not None and g.numel()]
         capturing = bool(self._watched) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if self._queued and not capturing:
             self._take_queued()
