@@ -24,6 +24,10 @@ fused, capturable or differentiable; float ``lr`` and betas), a contiguous float
 DTensors, and every tensor state already encoded with the codec the policy picks now (the
 first step, a codec switch and everything else go through the tiled reference path).
 
+Plans (:class:`CpuPlan`, one per parameter) are kept by the engine's cached plan, so a step that
+nothing invalidated goes straight to the compiled calls. How the calls are compiled:
+``cpu_compile.py``.
+
 Switches: ``OPTSTATE_CPU_FAST=0`` turns the path off; ``OPTSTATE_CPU_COMPILE=0`` runs it
 eagerly (the test suite does, except for the tests of the compiled path).
 """
@@ -32,12 +36,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .codecs import EncodedTensor
 from .codecs.rounding import RoundingContext, state_seed, stream_key
+from .cpu_compile import inductor_backend, mark_sizes, note_compile, shape_config
 from .dtensor import is_dtensor
 from .store import matches
 
@@ -79,13 +84,15 @@ def adam_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
 
 
 def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_payload: dict, hyper: torch.Tensor,
-                      keys: torch.Tensor, offset: torch.Tensor, *, m_codec, v_codec, maximize: bool) -> None:
+                      keys: torch.Tensor, offset: torch.Tensor, *, m_codec, v_codec, maximize: bool,
+                      narrow: bool = False) -> None:
     """One Adam/AdamW step of the 2-D slab ``p`` (in place) with its two states held in the
     payloads ``m_payload`` / ``v_payload`` (decoded, updated and re-encoded in place).
 
     ``hyper``: :func:`adam_scalars`; ``keys``: the two states' stochastic-rounding stream keys
     this step (int64 [2]); ``offset``: the flat index of the slab's first element in the whole
-    tensor (int64 0-d). The update is ``torch.optim.adam._single_tensor_adam``'s (decoupled or no
+    tensor (int64 0-d); ``narrow``: every element index is below 2**32 (int32 rounding
+    arithmetic). The update is ``torch.optim.adam._single_tensor_adam``'s (decoupled or no
     weight decay), operation for operation: each scalar multiplies the same operand, and
     ``addcmul``/``addcdiv`` keep torch's CPU evaluation order (``fma(value * t1, t2, self)``,
     ``self + value * t1 / t2``).
@@ -100,40 +107,8 @@ def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_paylo
     v.mul_(hyper[BETA2]).addcmul_(hyper[ONE_MINUS_BETA2] * g, g)
     denom = (v.sqrt() / hyper[BC2_SQRT]).add_(hyper[EPS])
     p.addcdiv_(hyper[NEG_STEP_SIZE] * m, denom)
-    m_codec.encode_into(m, m_payload, RoundingContext(keys[0], offset, cols))
-    v_codec.encode_into(v, v_payload, RoundingContext(keys[1], offset, cols))
-
-
-def bucketize_by_counting(input, boundaries, *, out_int32=False, right=False):
-    """``aten.bucketize`` for sorted ``boundaries`` as a count of comparisons (inductor's C++
-    backend has no bucketize and would call the eager kernel between its fused loops): the
-    index is the number of boundaries below the value (at or below it with ``right``), NaN last.
-    A short table (a codebook) is unrolled into elementwise compares, which vectorize."""
-    n = int(boundaries.shape[0])  # specializes the table's length: one guard
-    if n <= UNROLL_BOUNDARIES:
-        count = torch.zeros_like(input, dtype=torch.int32)  # int32 vectors hold twice the lanes
-        for i in range(n):
-            count = count + ((boundaries[i] <= input) if right else (boundaries[i] < input)).to(torch.int32)
-    else:
-        count = ((boundaries <= input.unsqueeze(-1)) if right else (boundaries < input.unsqueeze(-1))).sum(-1)
-    index = torch.where(input != input, n, count)  # NaN (a comparison vectorizes where isnan does not)
-    return index.to(torch.int32 if out_int32 else torch.int64)
-
-
-UNROLL_BOUNDARIES = 64
-
-
-#: codes index lookup tables that always hold 2**bits entries: no per-element bounds check
-INDUCTOR_PATCHES = {"assert_indirect_indexing": False}
-
-
-def inductor_backend(gm, example_inputs):
-    """inductor, with bucketize decomposed into comparisons (so the 4-bit encode fuses too)."""
-    from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
-    table = dict(select_decomp_table())
-    table[torch.ops.aten.bucketize.Tensor] = bucketize_by_counting
-    return compile_fx(gm, example_inputs, decompositions=table, config_patches=INDUCTOR_PATCHES)
+    m_codec.encode_into(m, m_payload, RoundingContext(keys[0], offset, cols, narrow))
+    v_codec.encode_into(v, v_payload, RoundingContext(keys[1], offset, cols, narrow))
 
 
 _STEPPERS: Dict[tuple, Callable] = {}
@@ -168,13 +143,14 @@ def slab_width(cols: int) -> int:
     return ROW_GRANULARITY if cols % ROW_GRANULARITY == 0 else cols
 
 
-def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: bool, batch: int = 1) -> Callable:
+def _stepper(m_codec, v_codec, maximize: bool, narrow: bool, width: Optional[int], compiled: bool,
+             batch: int = 1) -> Callable:
     """The step for one combination of codecs and flags over ``batch`` 2-D row slices at once.
     Compiled with rows of a static ``width``: the width, block sizes and every constant are
     compiled in (inner loops with static trip counts) and only the row counts, marked by
     :func:`_mark_sizes`, are symbolic; ``width=None``: row counts and widths symbolic (one graph
     for the widths beyond ``MAX_STATIC_WIDTHS``), block sizes still constants."""
-    key = (m_codec, v_codec, maximize, width, compiled, batch)
+    key = (m_codec, v_codec, maximize, narrow, width, compiled, batch)
     fn = _STEPPERS.get(key)
     if fn is None:
         for codec in (m_codec, v_codec):  # fill the codecs' lookup-table caches outside the trace
@@ -183,7 +159,7 @@ def _stepper(m_codec, v_codec, maximize: bool, width: Optional[int], compiled: b
         def fn(ps, gs, m_payloads, v_payloads, hyper, meta):
             for i in range(len(ps)):  # unrolled by the compiler: the batch size is part of the key
                 adam_step_encoded(ps[i], gs[i], m_payloads[i], v_payloads[i], hyper[i], meta[i, :2], meta[i, 2],
-                                  m_codec=m_codec, v_codec=v_codec, maximize=maximize)
+                                  m_codec=m_codec, v_codec=v_codec, maximize=maximize, narrow=narrow)
         # a code object of its own: dynamo keeps its graphs per code object and its recompile
         # limit (8) would otherwise count every codec pair, width and batch size of the process together
         fn.__code__ = fn.__code__.replace(co_name=f"optstate_cpu_step_{len(_STEPPERS)}")
@@ -235,16 +211,37 @@ class _Slice:
         self.p, self.g, self.m, self.v, self.hyper, self.meta, self.nbytes = p, g, m, v, hyper, meta, nbytes
 
 
-def run_cpu_fast(engine, works: List) -> List:
-    """Step the works this path can take (Adam/AdamW, CPU, encoded state); return the rest for
-    the tiled reference path. Called by the engine after non-finite gradients were dropped.
-    Row slices of the same codecs and shape class are stepped in batches (:func:`_batches`)."""
+class CpuPlan:
+    """What this path needs of one parameter besides its gradient and the step's scalars; kept
+    by the engine's cached plan, so a later step skips the eligibility checks and the views."""
+
+    __slots__ = ("key", "param", "state", "info", "flags", "rows", "width", "rows_per_call", "m_rows", "v_rows",
+                 "seeds", "offset")
+
+    def __init__(self, engine, w, group, width):
+        self.key, self.param, self.state, self.info = w.key, w.param, w.state, w.info
+        self.width = width
+        self.rows = w.rows * w.cols // width
+        self.rows_per_call = max(1, engine.chunk_bytes // (MATERIALIZED * width))
+        m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
+        kind = (m_enc.codec, v_enc.codec, bool(group.get("maximize")), w.offset + w.rows * w.cols <= 1 << 32)
+        self.flags = kind + (_class_width(kind, width),)
+        self.m_rows, self.v_rows = _payload_rows(m_enc.payload, self.rows), _payload_rows(v_enc.payload, self.rows)
+        self.seeds = [_seed(engine, w.info.index, key, enc.codec) for key, enc in zip(ADAM_KEYS, (m_enc, v_enc))]
+        self.offset = w.offset
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.key.grad
+
+
+def plan_cpu_fast(engine, works: List) -> Tuple[List[CpuPlan], List]:
+    """The plans of the works this path can take (Adam/AdamW, CPU, encoded state) and the rest,
+    for the tiled reference path. Nothing is stepped yet."""
     if not works or not enabled():
-        return works
+        return [], works
     inner = engine.inner
-    rest, done = [], []
-    by_class: Dict[tuple, List[_Slice]] = {}
-    t0 = time.perf_counter()
+    rest, plans = [], []
     for w in works:
         group = inner.param_groups[w.info.group_index]
         reason = _group_ok(inner, group)
@@ -252,17 +249,36 @@ def run_cpu_fast(engine, works: List) -> List:
             _log_once(f"CPU fast path off: {reason}")
             rest.append(w)
             continue
-        slices = _slices(engine, w, group) if _eligible(engine, w) else None
-        if slices is None:
+        width = slab_width(w.cols)
+        if not _eligible(engine, w) or MATERIALIZED * width > engine.chunk_bytes:  # a row over chunk_bytes: tiled
             rest.append(w)
             continue
-        flags, parts = slices
-        by_class.setdefault(flags, []).extend(parts)
-        done.append(w)
-    if not done:
-        return rest
-    metrics = engine.metrics
-    with torch.no_grad(), _shape_config():
+        plans.append(CpuPlan(engine, w, group, width))
+    return plans, rest
+
+
+def groups_still_eligible(engine, plans: List[CpuPlan]) -> bool:
+    """Whether the groups of cached plans still allow this path (options may change between steps)."""
+    inner = engine.inner
+    return all(_group_ok(inner, inner.param_groups[i]) is None for i in {plan.info.group_index for plan in plans})
+
+
+def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
+    """One step of the planned parameters (their gradients checked already): row slices of the
+    same codecs and shape class in batches (:func:`_batches`), then each parameter's step count."""
+    if not plans:
+        return
+    t0 = time.perf_counter()
+    inner, metrics = engine.inner, engine.metrics
+    by_class: Dict[tuple, List[_Slice]] = {}
+    hypers: Dict[tuple, list] = {}  # the scalars of a group at a step count, computed once
+    for plan in plans:
+        group, step = inner.param_groups[plan.info.group_index], float(plan.state["step"]) + 1
+        hyper = hypers.get((plan.info.group_index, step))
+        if hyper is None:
+            hyper = hypers[plan.info.group_index, step] = _hyper(inner, group, step)
+        by_class.setdefault(plan.flags, []).extend(_slices(engine, plan, hyper))
+    with torch.no_grad(), shape_config():
         size = batch_size()
         for flags, parts in by_class.items():
             run = _Runner(flags, size)
@@ -271,41 +287,32 @@ def run_cpu_fast(engine, works: List) -> List:
                 metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, sum(s.nbytes for s in batch))
             metrics.chunks += len(parts)
             metrics.tiles += len(parts)
-    for w in done:
-        new_step = w.state["step"].clone()
-        new_step += 1
-        w.state["step"] = new_step
-        engine.state[w.key] = w.state
+    for plan in plans:
+        plan.state["step"] += 1  # in place, as torch's Adam (the cached plan holds the state's objects)
     metrics.inner_step_ms += (time.perf_counter() - t0) * 1e3
-    return rest
 
 
-def _slices(engine, w, group):
-    """``(flags, row slices)`` of one parameter, each slice's decoded state (m and v in fp32,
-    ``MATERIALIZED`` bytes per element) under ``chunk_bytes``; None (the tiled path) when one
-    row exceeds it. ``flags``: (m codec, v codec, maximize, row width of the compiled class)."""
-    width = slab_width(w.cols)
-    per_row = MATERIALIZED * width
-    if per_row > engine.chunk_bytes:
-        return None
-    rows = w.rows * w.cols // width
-    rows_per_call = max(1, engine.chunk_bytes // per_row)
-    m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
+def _hyper(inner, group, step: float) -> List[float]:
     beta1, beta2 = group["betas"]
-    hyper = adam_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                         float(group["weight_decay"]), float(w.state["step"]) + 1, _decoupled(engine.inner, group))
-    keys = [_key(engine, w, "exp_avg", m_enc.codec), _key(engine, w, "exp_avg_sq", v_enc.codec)]
-    kind = (m_enc.codec, v_enc.codec, bool(group.get("maximize")))
-    flags = kind + (_class_width(kind, width),)
-    p, g = w.param.detach().view(rows, width), w.grad.detach().view(rows, width)
-    m_rows, v_rows = _payload_rows(m_enc.payload, rows), _payload_rows(v_enc.payload, rows)
+    return adam_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                        float(group["weight_decay"]), step, _decoupled(inner, group))
+
+
+def _slices(engine, plan: CpuPlan, hyper: List[float]) -> List[_Slice]:
+    """The row slices of one parameter this step, each slice's decoded state (m and v in fp32,
+    ``MATERIALIZED`` bytes per element) under ``chunk_bytes``."""
+    width, rows, per_call = plan.width, plan.rows, plan.rows_per_call
+    keys = [0 if seed is None else stream_key(seed, engine.step_count) for seed in plan.seeds]
+    p, g = plan.param.detach().view(rows, width), plan.key.grad.detach().view(rows, width)
+    if rows <= per_call:  # the whole parameter in one slice (the common case)
+        return [_Slice(p, g, plan.m_rows, plan.v_rows, hyper, keys + [plan.offset], rows * MATERIALIZED * width)]
     parts = []
-    for r0 in range(0, rows, rows_per_call):
-        r1 = min(rows, r0 + rows_per_call)
-        parts.append(_Slice(p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in m_rows.items()},
-                            {k: t[r0:r1] for k, t in v_rows.items()}, hyper, keys + [w.offset + r0 * width],
-                            (r1 - r0) * per_row))
-    return flags, parts
+    for r0 in range(0, rows, per_call):
+        r1 = min(rows, r0 + per_call)
+        parts.append(_Slice(p[r0:r1], g[r0:r1], {k: t[r0:r1] for k, t in plan.m_rows.items()},
+                            {k: t[r0:r1] for k, t in plan.v_rows.items()}, hyper, keys + [plan.offset + r0 * width],
+                            (r1 - r0) * MATERIALIZED * width))
+    return parts
 
 
 def _batches(parts: List[_Slice], chunk_bytes: int, size: int):
@@ -327,7 +334,7 @@ def _payload_rows(payload: dict, rows: int) -> dict:
 
 
 class _Runner:
-    """Runs the batches of one class (``flags``: m codec, v codec, maximize, row width or None):
+    """Runs the batches of one class (``flags``: m codec, v codec, maximize, narrow, row width or None):
     compiled, each batch padded to ``size`` slices, while compilation is wanted and works, else
     eagerly. Looks its steppers up once per class, not per call."""
 
@@ -350,8 +357,8 @@ class _Runner:
         if self.compiled:
             try:
                 t = time.perf_counter()
-                self.fn(*_mark_sizes(args, self.flags[3] is None))
-                _note_compile(self.flags, self.size, time.perf_counter() - t)
+                self.fn(*mark_sizes(args, self.flags[-1] is None))
+                note_compile(self.flags, self.size, time.perf_counter() - t)
                 return
             except Exception as e:  # dynamo/inductor unavailable or failing, before any write: eager
                 _FAILED.add(self.flags)
@@ -375,7 +382,7 @@ _STATIC_WIDTHS: Dict[tuple, set] = {}
 
 def _class_width(kind: tuple, width: int) -> Optional[int]:
     """The row width as a constant of the compiled code (the common case), or None once this
-    ``kind`` (codec pair, maximize) has ``MAX_STATIC_WIDTHS`` others (odd widths then share one
+    ``kind`` (codec pair, maximize, narrow) has ``MAX_STATIC_WIDTHS`` others (odd widths then share one
     graph instead of compiling each)."""
     seen = _STATIC_WIDTHS.setdefault(kind, set())
     if width in seen or width == ROW_GRANULARITY or len(seen) < MAX_STATIC_WIDTHS:
@@ -384,40 +391,10 @@ def _class_width(kind: tuple, width: int) -> Optional[int]:
     return None
 
 
-def _mark_sizes(args, widths_too: bool):
-    """Mark the row count (and with ``widths_too`` the width) of every 2-D argument symbolic
-    for the compiler: one graph for any number of rows (and any width)."""
-    ps, gs, m_payloads, v_payloads = args[:4]
-    tensors = [*ps, *gs, *(t for d in m_payloads for t in d.values()), *(t for d in v_payloads for t in d.values())]
-    for t in tensors:
-        for dim in ((0, 1) if widths_too else (0,)):
-            torch._dynamo.maybe_mark_dynamic(t, dim)
-    return args
-
-
-def _shape_config():
-    """Trace sizes symbolically, 1 included, and never equate unrelated sizes (a lookup table's
-    length with a row count): a handful of graphs per codec pair instead of one per shape."""
-    return torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)
-
-
 def _decoupled(inner, group) -> bool:
     return bool(group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW)))
 
 
-_COMPILE_SECONDS: Dict[tuple, float] = {}
-
-
-def _note_compile(flags, batch: int, seconds: float) -> None:
-    """Log the first (compiling) call of each combination and batch size."""
-    if (flags, batch) not in _COMPILE_SECONDS:
-        _COMPILE_SECONDS[flags, batch] = seconds
-        width = "any width" if flags[3] is None else f"rows of {flags[3]}"
-        log.info("optstate: CPU fast path compiled for %s/%s, %s, %d slice(s) a call, in %.1f s",
-                 flags[0].name, flags[1].name, width, batch, seconds)
-
-
-def _key(engine, w, key: str, codec) -> int:
-    if not codec.stochastic_rounding:
-        return 0
-    return stream_key(state_seed(engine.seed, w.info.index, key), engine.step_count)
+def _seed(engine, index: int, key: str, codec) -> Optional[int]:
+    """The rounding stream seed of one state (None: the codec rounds to nearest)."""
+    return state_seed(engine.seed, index, key) if codec.stochastic_rounding else None

@@ -28,7 +28,7 @@ import torch
 from .conform import Conformer
 from . import passthrough_skip
 from .backward_check import BackwardCheck
-from .cpu_step import run_cpu_fast
+from .cpu_step import groups_still_eligible, plan_cpu_fast, run_cpu_plans
 from .follow import follow_params, remember_params
 from .fused import FusedPath
 from .fused_launch import KernelLauncher
@@ -120,7 +120,7 @@ class Engine:
         return name
 
     def _drop_nonfinite(self, works):
-        """The works whose gradients are finite; the others are counted and reported."""
+        """The works (or CPU plans) whose gradients are finite; the others are counted and reported."""
         kept, skipped = split_nonfinite(works)
         if skipped:
             self.nonfinite_host += len(skipped)
@@ -143,11 +143,12 @@ class Engine:
             buckets = self._plan_and_run(signature)
             remember_params(self)
         else:
-            buckets, passthrough, on_device = cached
+            buckets, passthrough, on_device, cpu_plans = cached
             if passthrough:
                 t = time.perf_counter()
                 self._run_passthrough(passthrough, on_device)
                 self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+            run_cpu_plans(self, cpu_plans)
         if buckets:
             t = time.perf_counter()
             self.schedule.run(buckets)
@@ -181,24 +182,27 @@ class Engine:
             passthrough = still
         on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
         self._check_in_backward([w.key for w in passthrough] if on_device and passthrough[0].key.is_cuda else [])
-        checked = tiled if on_device else passthrough + tiled  # the fused paths skip on the device
+        cpu_plans, tiled = plan_cpu_fast(self, tiled)  # cpu_step.py: Adam/AdamW on encoded CPU state
+        checked = (tiled if on_device else passthrough + tiled) + cpu_plans  # the fused paths skip on the device
         if self.skip_nonfinite and checked:
             kept = {id(w) for w in self._drop_nonfinite(checked)}
             passthrough = [w for w in passthrough if on_device or id(w) in kept]
             tiled = [w for w in tiled if id(w) in kept]
+            cpu_plans = [c for c in cpu_plans if id(c) in kept]
         buckets = self.fused.build(fused) if fused else []
         items = [(w.key, w.state, w.info.group_index) for w in passthrough]
         if items:
             t = time.perf_counter()
             self._run_passthrough(items, on_device)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
-        ready = run_cpu_fast(self, tiled) if tiled else tiled  # cpu_step.py: Adam/AdamW on encoded CPU state
-        if ready:
-            self.tiled.run(ready, update=True)
+        run_cpu_plans(self, cpu_plans)
+        if tiled:
+            self.tiled.run(tiled, update=True)
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
-            and len(fused) + len(passthrough) == len(works)
-        params = [k for b in buckets for k in b.keys] + [p for p, _, _ in items]
-        self._plan_cache = (signature, buckets, items, self._state_identity(params), on_device) if cacheable else None
+            and len(fused) + len(passthrough) + len(cpu_plans) == len(works)
+        params = [k for b in buckets for k in b.keys] + [p for p, _, _ in items] + [c.key for c in cpu_plans]
+        self._plan_cache = (signature, buckets, items, self._state_identity(params), on_device, cpu_plans) \
+            if cacheable else None
         self.schedule.index_offloaded(buckets if cacheable else [])
         return buckets
 
@@ -236,7 +240,7 @@ class Engine:
         cache = self.__dict__.get("_plan_cache")
         if cache is None or cache[0] != signature:
             return None
-        _, buckets, items, (params, states, ids, shapes, dtypes), on_device = cache
+        _, buckets, items, (params, states, ids, shapes, dtypes), on_device, cpu_plans = cache
         if not all(map(is_, map(self.state.get, params), states)) or \
                 [tuple(map(id, st.values())) for st in states] != ids or list(map(_SHAPE, params)) != shapes:
             return None
@@ -244,10 +248,13 @@ class Engine:
         if list(map(_SHAPE, grads)) != shapes or list(map(_DTYPE, grads)) != dtypes or \
                 list(map(_LAYOUT, grads)).count(torch.strided) != len(grads) or not all(map(_CONTIGUOUS, grads)):
             return None
-        if items and self.skip_nonfinite and not on_device and not all_finite([p.grad for p, _, _ in items]):
+        if cpu_plans and not groups_still_eligible(self, cpu_plans):
+            return None
+        checked = ([] if on_device else [p.grad for p, _, _ in items]) + [c.grad for c in cpu_plans]
+        if checked and self.skip_nonfinite and not all_finite(checked):
             return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
-        return buckets, items, on_device
+        return buckets, items, on_device, cpu_plans
 
     def _run_passthrough(self, items, on_device: bool) -> None:
         """The inner optimizer's own step on uncompressed parameters; NaN/inf skipped on the device

@@ -172,6 +172,13 @@ def test_rounding_stream_is_the_documented_32_bit_formula():
         assert torch.equal(random_bits(torch.tensor(key), idx), expected)  # key as a 0-d tensor
     assert torch.equal(RoundingContext(7, 2**32 - 3, 10).bits(2, 4, "cpu"),
                        torch.tensor([[scalar(7, 2**32 - 3 + r * 10 + c) for c in range(4)] for r in range(2)]))
+    # indices below 2**32 take the int32 path (found out from a Python offset, or told with a
+    # tensor offset): the same bits, across the 2**31 sign boundary and up to 2**32 - 1
+    for offset, rows, stride, cols in ((0, 3, 7, 5), (2**31 - 6, 2, 4, 4), (2**32 - 12, 3, 4, 4)):
+        expected = torch.tensor([[scalar(12345, offset + r * stride + c) for c in range(cols)] for r in range(rows)])
+        assert torch.equal(RoundingContext(12345, offset, stride).bits(rows, cols, "cpu"), expected)
+        assert torch.equal(RoundingContext(torch.tensor(12345), torch.tensor(offset), stride, narrow=True)
+                           .bits(rows, cols, "cpu"), expected)
 
 
 def test_arithmetic_decodes_equal_the_tables_bit_for_bit():

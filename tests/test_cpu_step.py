@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core import cpu_step
+from optstate_core import cpu_compile, cpu_step
 
 # 1-D, rows of whole 256-blocks, rows shorter than a block, odd and ragged widths
 SHAPES = [(512,), (64, 512), (48, 128), (9, 300), (5, 1001)]
@@ -41,6 +41,7 @@ def test_eager_fast_path_is_bit_identical_to_the_tiled_reference(preset):
     ref_params, ref = run(preset, fast=False)
     params, opt = run(preset, fast=True)
     assert opt.last_step_timings["materialize_ms"] == 0  # the last step never went through tiles
+    assert opt._engine._plan_cache is not None  # steps 3 and 4 ran from the cached plan
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)
         assert torch.equal(ref.state[a]["step"], opt.state[b]["step"])
@@ -91,6 +92,46 @@ def test_nonfinite_gradient_still_skips_the_parameter():
     params, opt = run("8bit", fast=True, steps=3, grads=poison)
     assert opt.memory_report()["nonfinite_skipped"] == ref.memory_report()["nonfinite_skipped"] == 1
     assert int(opt.state[params[1]]["step"]) == 2 and int(opt.state[params[0]]["step"]) == 3
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)
+
+
+def test_cached_plan_follows_group_options_and_nan_gradients():
+    """Steps after the first fast one reuse the engine's cached plan. A group option that takes
+    the group off this path (L2 weight decay on Adam), set between steps, sends it back to the
+    tiled reference at once; a NaN gradient on a cached step still skips that parameter only."""
+    def change(step, params):
+        if step == 3:
+            opt_groups[0]["weight_decay"] = 0.1  # Adam + L2: the reference path's job
+        if step == 4:
+            params[1].grad[3, 7] = float("nan")
+    results = []
+    for fast in (False, True):
+        opt_groups = []
+
+        def inner(groups):
+            opt = torch.optim.Adam(groups, lr=1e-2)
+            opt_groups.extend(opt.param_groups)
+            return opt
+        params, opt = run("8bit", fast=fast, steps=3, inner=inner, wd=(0.0, 0.0))
+        if fast:
+            assert opt._engine._plan_cache is not None and opt.last_step_timings["materialize_ms"] == 0
+            step_tensor = opt.state[params[1]]["step"]
+        gen = torch.Generator().manual_seed(7)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OPTSTATE_CPU_FAST", "1" if fast else "0")
+            for i in (3, 4):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+                change(i, params)
+                opt.step()
+                if fast and i == 3:
+                    assert opt.last_step_timings["materialize_ms"] > 0  # group 0 went to the tiled path
+        results.append((params, opt))
+    (ref_params, ref), (params, opt) = results
+    assert opt.memory_report()["nonfinite_skipped"] == ref.memory_report()["nonfinite_skipped"] == 1
+    assert int(opt.state[params[1]]["step"]) == 4 and int(opt.state[params[0]]["step"]) == 5  # one skip
+    assert opt.state[params[1]]["step"] is step_tensor  # counted in place
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)
 
@@ -177,7 +218,7 @@ def test_bucketize_by_counting_is_torch_bucketize(n):
     for right in (False, True):
         for out_int32 in (False, True):
             expected = torch.bucketize(x, bounds, right=right, out_int32=out_int32)
-            got = cpu_step.bucketize_by_counting(x, bounds, right=right, out_int32=out_int32)
+            got = cpu_compile.bucketize_by_counting(x, bounds, right=right, out_int32=out_int32)
             assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
@@ -187,8 +228,9 @@ def test_each_stepper_has_its_own_code_object(monkeypatch):
     from optstate_core.codecs.int8 import Int8Codec
     monkeypatch.setattr(cpu_step, "_STEPPERS", {})
     m, v = Int8Codec().specialize(False), Int8Codec().specialize(True)
-    steppers = [cpu_step._stepper(m, v, maximize, width, compiled=False, batch=batch)
-                for maximize in (False, True) for width in (128, 256, 300, 1001, None) for batch in (1, 4)]
+    steppers = [cpu_step._stepper(m, v, maximize, narrow, width, compiled=False, batch=batch)
+                for maximize in (False, True) for narrow in (False, True) for width in (128, 256, 300, 1001, None)
+                for batch in (1, 4)]
     assert len({id(f.__code__) for f in steppers}) == len(steppers)
 
 

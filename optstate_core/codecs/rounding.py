@@ -100,16 +100,27 @@ class RoundingContext:
 
     ``row_stride`` is the element distance between rows of the 2-D slab being encoded, so the
     index of slab element (r, c) is ``offset + r * row_stride + c`` in the whole tensor.
+    ``narrow``: the caller knows every index is below 2**32 (``offset`` may then be a tensor);
+    with a Python ``offset`` this is found out here. Narrow indices skip the high word, whose mix
+    is 0, and the element arithmetic runs on int32 (as the Triton kernels' uint32 indices): the
+    same bits, without per-element int64 work.
     """
 
-    __slots__ = ("key", "offset", "row_stride")
+    __slots__ = ("key", "offset", "row_stride", "narrow")
 
-    def __init__(self, key: int, offset: int = 0, row_stride: int = 0):
+    def __init__(self, key: int, offset: int = 0, row_stride: int = 0, narrow: bool = False):
         self.key = key
         self.offset = offset
         self.row_stride = row_stride
+        self.narrow = narrow
 
     def bits(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
         r = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
+        if self.narrow or (isinstance(self.offset, int) and self.offset + max(rows - 1, 0) * self.row_stride + cols
+                           <= 1 << 32):
+            row_lo = (self.offset + r * self.row_stride).to(torch.int32)  # per row, the low 32 bits
+            lo = row_lo + torch.arange(cols, device=device, dtype=torch.int32).unsqueeze(0)  # wraps mod 2**32
+            key32 = _as_int32(self.key & MASK32) if isinstance(self.key, int) else self.key.to(torch.int32)
+            return element_mix(lo ^ key32).to(torch.int64) & MASK32
         c = torch.arange(cols, device=device, dtype=torch.int64).unsqueeze(0)
         return random_bits(self.key, self.offset + r * self.row_stride + c)
