@@ -20,11 +20,15 @@ FP32, BF16, INT8, INT4 = 0, 1, 2, 3
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # launch shape (256-element tiles per program, warps), timed on an H100 2026-11-23 with
 # tools/kernel_shapes.py and the step table (BENCHMARKS.md sections 10-11): 4 tiles x 2 warps for
-# int8 states (0.57x vs 0.61x fused AdamW at 2 x 2), 2 x 2 for 4-bit and bf16 (4 x 2 no faster).
-# Env vars override (OPTSTATE_NBLK sets every kind).
+# int8 states (0.57x vs 0.61x fused AdamW at 2 x 2), 2 x 2 for bf16 (4 x 2 no faster); 1 x 1 for
+# the Adam step of 4-bit states without master weights (2026-11-25, section 15: 6.51 ms vs 6.91 ms
+# at 2 x 2 with the step queued ahead, on two instances; no other shape faster). Env vars
+# override (OPTSTATE_NBLK sets every kind's tiles, OPTSTATE_NUM_WARPS every kind's warps).
 NBLK = int(os.environ.get("OPTSTATE_NBLK", 2))
 NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 2))
 NBLK_INT8 = int(os.environ.get("OPTSTATE_NBLK", 4))
+NBLK_INT4 = int(os.environ.get("OPTSTATE_NBLK", 1))
+NUM_WARPS_INT4 = int(os.environ.get("OPTSTATE_NUM_WARPS", 1))
 # Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
 # bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
 ITERS = int(os.environ.get("OPTSTATE_ITERS", 1))
@@ -100,8 +104,11 @@ class KernelLauncher:
         engine, plan, params = self.engine, bucket.plan, bucket.params
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
-        nblk = NBLK_INT8 if INT8 in plan["kinds"] and INT4 not in plan["kinds"] else NBLK
-        warps = NUM_WARPS
+        nblk, warps = NBLK, NUM_WARPS
+        if INT8 in plan["kinds"] and INT4 not in plan["kinds"]:
+            nblk = NBLK_INT8
+        elif INT4 in plan["kinds"] and plan["kind"] == "adam" and not plan.get("master"):
+            nblk, warps = NBLK_INT4, NUM_WARPS_INT4
         iters = ITERS if plan["kind"] == "adam" else 1
         memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
