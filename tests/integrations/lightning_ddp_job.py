@@ -6,7 +6,7 @@ for ``strategy="ddp"``); each rank writes what it saw to OUT_DIR/rank<r>.pt at t
 import sys
 
 import optstate_core as oc
-from lightning_helpers import Regressor, loader, trainer
+from lightning_helpers import end_rank, Regressor, loader, trainer
 from optstate_lightning import OptStateCallback, OptStateDDPStrategy
 
 PATIENCE, TOL = 2, 0.05
@@ -20,6 +20,7 @@ def main(out_dir: str) -> None:
                  callbacks=[OptStateCallback(policy=policy)])  # the strategy uses the Trainer's callback
     assert isinstance(tr.strategy, OptStateDDPStrategy)
     tr.fit(model, loader(n=128, noisy_odd=True))  # 64 samples per rank: 8 batches, 4 steps per epoch
+    end_rank()
 
 
 if __name__ == "__main__":

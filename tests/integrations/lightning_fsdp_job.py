@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import optstate_core as oc
-from lightning_helpers import Regressor, loader, trainer
+from lightning_helpers import end_rank, Regressor, loader, trainer
 from optstate_lightning import OptStateCallback
 
 ACCUM, EPOCHS, CLIP, N = 2, 2, 0.5, 96  # 48 samples per rank: 6 batches of 8, 3 steps per epoch
@@ -76,6 +76,7 @@ def main(strategy_name: str, phase: str, out_dir: str, device: str = "cpu") -> N
     model = ShardedRegressor(out_dir, phase)
     ckpt = os.path.join(out_dir, "ckpt", "epoch=0.ckpt") if phase == "resume" else None
     tr.fit(model, loader(n=N), ckpt_path=ckpt)
+    end_rank()
 
 
 if __name__ == "__main__":
