@@ -20,6 +20,7 @@ from accelerate import Accelerator  # noqa: E402
 import optstate_accelerate as osa  # noqa: E402
 import optstate_core as oc  # noqa: E402
 from helpers import batch, flat_params, mlp, same_up_to_rounding_flips  # noqa: E402
+from job_exit import end_rank  # noqa: E402
 
 ACCUM, WINDOWS, LR = 2, 6, 1e-2
 
@@ -96,3 +97,4 @@ def main(out_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_rank()  # job_exit.py: no interpreter teardown after gloo

@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # 
 import optstate_accelerate as osa  # noqa: E402
 import optstate_core as oc  # noqa: E402
 from helpers import batch, flat_params, mlp  # noqa: E402
+from job_exit import end_rank  # noqa: E402
 
 ACCUM, WINDOWS, SAVE_AT, LR, CLIP = 2, 6, 3, 1e-2, 0.3
 
@@ -135,3 +136,4 @@ def oc_tensors(tree, prefix=""):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_rank()  # job_exit.py: no interpreter teardown after gloo

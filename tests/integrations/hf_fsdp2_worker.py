@@ -22,6 +22,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "integrations"), HERE, os.path.dirname(
 import optstate_hf  # noqa: E402
 from hf_testlib import tiny_dataset, tiny_model, training_args  # noqa: E402
 from transformers import Trainer  # noqa: E402
+from job_exit import end_rank  # noqa: E402
 
 SAVE_AT, STEPS = 3, 6
 
@@ -82,3 +83,4 @@ def main(phase: str, out_dir: str, device: str = "cpu") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_rank()  # job_exit.py: no interpreter teardown after gloo

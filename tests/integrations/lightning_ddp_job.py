@@ -6,7 +6,8 @@ for ``strategy="ddp"``); each rank writes what it saw to OUT_DIR/rank<r>.pt at t
 import sys
 
 import optstate_core as oc
-from lightning_helpers import end_rank, Regressor, loader, trainer
+from job_exit import end_rank
+from lightning_helpers import Regressor, loader, trainer
 from optstate_lightning import OptStateCallback, OptStateDDPStrategy
 
 PATIENCE, TOL = 2, 0.05

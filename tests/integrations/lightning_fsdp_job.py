@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import optstate_core as oc
-from lightning_helpers import end_rank, Regressor, loader, trainer
+from job_exit import end_rank
+from lightning_helpers import Regressor, loader, trainer
 from optstate_lightning import OptStateCallback
 
 ACCUM, EPOCHS, CLIP, N = 2, 2, 0.5, 96  # 48 samples per rank: 6 batches of 8, 3 steps per epoch

@@ -103,18 +103,3 @@ class Regressor(L.LightningModule):
                     "step_count": self.trainer.optimizers[0].step_count,
                     "wrapped": type(self.trainer.optimizers[0]).__name__},
                    os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
-
-
-def end_rank() -> None:
-    """End a job's rank after ``fit`` without interpreter teardown (as tests/distributed/dist_jobs.py
-    ``finish``): gloo's threads outlive ``destroy_process_group`` after DDP/FSDP2 used it, and a
-    normal exit then sometimes aborts with "terminate called without an active exception" (seen
-    once in CI on the FSDP2 job, exit -6, after its results were saved)."""
-    import sys
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
