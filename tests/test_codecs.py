@@ -196,6 +196,30 @@ def test_arithmetic_decodes_equal_the_tables_bit_for_bit():
             assert torch.equal(got.view(torch.int32), table.view(torch.int32)), (signed, power)
 
 
+@pytest.mark.parametrize("signed,power", [(True, 1), (True, 2), (True, 3), (True, 4), (True, 7),
+                                          (False, 2), (False, 4), (False, 6)])
+def test_int4_nearest_by_arithmetic_equals_the_midpoint_search(signed, power):
+    """Nearest 4-bit codes of integer-power levels are computed by arithmetic (a rounded root,
+    then one comparison with a midpoint); at every midpoint, up to three float32 steps either
+    side, the ends, zeros, tiny values and random values they are ``bucketize``'s codes."""
+    from optstate_core.codecs.int4 import Int4Codec
+    codec = Int4Codec(signed=signed, power=power)
+    assert codec.integer_power == power
+    mids, low = codec.midpoints, -1.0 if signed else 0.0
+    near = [mids]
+    for direction in (2.0, -2.0):
+        step = mids
+        for _ in range(3):
+            step = torch.nextafter(step, torch.full_like(step, direction))
+            near.append(step)
+    gen = torch.Generator().manual_seed(power + 10 * signed)
+    rand = torch.rand(200000, generator=gen)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-38, -1e-38, 1e-45, 3e-8, -3e-8])
+    y = torch.cat([*near, special, rand ** power, rand * 2 - 1, -(rand ** power)]).clamp(low, 1.0)
+    assert torch.equal(codec._nearest(y).long(), torch.bucketize(y, mids))
+    assert torch.equal(codec.codes_of(y, None).long(), torch.bucketize(y, mids))
+
+
 @pytest.mark.parametrize("power", [2, 4, 6])
 def test_int4_stochastic_bracket_equals_the_table_search(power):
     """The stochastic 4-bit encoder of non-negative states finds each value's bracketing levels
@@ -211,6 +235,23 @@ def test_int4_stochastic_bracket_equals_the_table_search(power):
                    torch.rand(20000, generator=torch.Generator().manual_seed(power + 1))]).clamp(0.0, 1.0)
     lo, l0, l1 = codec._bracket(y)
     expected = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
-    assert torch.equal(lo, expected)
+    assert torch.equal(lo.long(), expected)
     assert torch.equal(l0.view(torch.int32), levels[expected].view(torch.int32))
     assert torch.equal(l1.view(torch.int32), levels[expected + 1].view(torch.int32))
+
+
+@pytest.mark.parametrize("cols", [1, 2, 3, 5, 6, 7, 8, 256, 260])
+def test_pack_nibbles_puts_element_2i_in_the_low_nibble(cols):
+    """4-bit codes packed two per byte (four at a time through an int32 view when the row holds a
+    multiple of 4) are the element-by-element packing, and unpacking (four at a time when the row
+    has an even number of bytes) and the codec's decode give the codes back."""
+    from optstate_core.codecs.int4 import Int4Codec, pack_nibbles, unpack_nibbles
+    codes = torch.randint(0, 16, (5, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(cols))
+    padded = torch.nn.functional.pad(codes, (0, cols % 2))
+    expected = padded[:, 0::2] + padded[:, 1::2] * 16
+    assert torch.equal(pack_nibbles(codes), expected)
+    assert torch.equal(unpack_nibbles(expected, cols), codes)
+    codec = Int4Codec(signed=False)
+    payload = {"codes": pack_nibbles(codes), "scales": torch.ones(5, -(-cols // codec.block_size))}
+    decoded = codec.decode_into(payload, torch.empty(5, cols))
+    assert torch.equal(decoded, codec.values_of(codes))

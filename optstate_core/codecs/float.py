@@ -124,6 +124,6 @@ def _stochastic_fp16(y: torch.Tensor, rounding: RoundingContext) -> torch.Tensor
     a = y.abs()
     _, exp = torch.frexp(a)  # a = m * 2**exp, m in [0.5, 1)
     ulp_exp = torch.clamp(exp - 1, min=-14) - 10  # fp16 ulp at |y| (subnormals share 2**-24)
-    u = (rounding.bits(rows, cols, y.device) >> 8).to(torch.float32) * 2.0 ** -24
+    u = ((rounding.bits32(rows, cols, y.device) >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
     q = torch.ldexp(torch.floor(torch.ldexp(a, -ulp_exp) + u), ulp_exp)
     return torch.where(torch.isfinite(y), torch.copysign(q, y), y)

@@ -22,6 +22,7 @@ the decoding of stored codes, are unchanged, and the boundaries moved by at most
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -80,6 +81,43 @@ def int4_midpoints(levels: torch.Tensor, signed: bool, power: float = 0.0) -> to
     if signed:
         return (levels[1:] + levels[:-1]) * 0.5
     return torch.sqrt(levels[1:] * levels[:-1])
+
+
+def _ipow(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x ** n`` by ``n - 1`` multiplies (exact for the small integers the levels are made of)."""
+    out = x
+    for _ in range(n - 1):
+        out = out * x
+    return out
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte (uint8 ``[rows, cols]`` -> ``[rows, ceil(cols / 2)]``), element
+    ``2i`` in the low nibble. Rows of a multiple of 4 codes are packed four at a time through an
+    int32 view of their bytes (little-endian), which compiled CPU code vectorizes; a strided pair
+    ``codes[:, 0::2] | codes[:, 1::2] << 4`` would not, and the encoder feeding it would be
+    computed in a scalar loop."""
+    rows, cols = codes.shape
+    if cols % 4 == 0 and sys.byteorder == "little":
+        word = codes.contiguous().view(torch.int32)  # bytes c0 c1 c2 c3 -> c0 | c1 << 8 | ...
+        packed = (word & 0xF) | ((word >> 4) & 0xF0) | ((word >> 8) & 0xF00) | ((word >> 12) & 0xF000)
+        return packed.to(torch.int16).view(torch.uint8)
+    if cols % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`: uint8 codes ``[rows, cols]`` from ``[rows, ceil(cols / 2)]``
+    bytes. An even number of bytes is unpacked four codes at a time (an int16 view of two bytes
+    spread into the four bytes of an int32), which compiled CPU code vectorizes; a ``stack`` of
+    the two nibbles would run as a separate copy."""
+    rows, half = packed.shape
+    if half % 2 == 0 and sys.byteorder == "little":
+        two = packed.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        word = (two & 0xF) | ((two & 0xF0) << 4) | ((two & 0xF00) << 8) | ((two & 0xF000) << 12)
+        return word.view(torch.uint8)[:, :cols]
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, 2 * half)[:, :cols]
 
 
 def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
@@ -145,21 +183,46 @@ class Int4Codec(Codec):
         return self._tables[key]
 
     def codes_of(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
-        """Codes (int64) for normalized values ``y`` in [-1, 1] (finite) or +-inf."""
+        """Codes (int32; int64 from a table search) for normalized values ``y`` in [-1, 1]
+        (finite) or +-inf."""
         levels, mids = self.levels.to(y.device), self.midpoints.to(y.device)
         y = torch.where(y != y, 0.0, y)  # NaN -> 0 (vectorizes where nan_to_num's isnan does not)
         y = y.clamp(-1.0, 1.0) if self.is_signed else y.clamp(0.0, 1.0)
         if rbits is None:
-            return torch.bucketize(y, mids)
-        u = (rbits >> 8).to(torch.float32) * 2.0 ** -24
+            return self._nearest(y) if self.integer_power else torch.bucketize(y, mids)
+        u = ((rbits >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
         if self.integer_power and not self.is_signed:  # the kernels' arithmetic way (no table, no division)
             lo, l0, l1 = self._bracket(y)
-            code = lo + (u * (l1 - l0) < y - l0).to(torch.int64)
+            code = lo + (u * (l1 - l0) < y - l0).to(torch.int32)
         else:
             lo = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
             l0, l1 = levels[lo], levels[lo + 1]
             code = lo + (u < (y - l0) / (l1 - l0)).to(torch.int64)
         return code if self.is_signed else torch.where(y > 0, code.clamp_min(1), code)
+
+    def _root(self, a: torch.Tensor) -> torch.Tensor:
+        """``a ** (1 / p)`` for ``a`` in [0, 1], approximately, as the kernels' ``int4_root``: the
+        encoders only need the code it rounds to within one, and one exact comparison fixes it."""
+        p = self.integer_power
+        return a.sqrt() if p == 2 else a.sqrt().sqrt() if p == 4 else a.pow(1.0 / p)
+
+    def _nearest(self, y: torch.Tensor) -> torch.Tensor:
+        """``bucketize(y, midpoints)`` for clamped ``y`` (no NaN) and integer-power levels, by
+        arithmetic as the kernels' ``encode_int4_signed`` / ``encode_int4_unsigned`` (no table
+        search, so compiled CPU code vectorizes it): the rounded root-domain estimate is the code
+        or one off, and one exact comparison with the float32 midpoint beside it decides (every
+        midpoint is an exact integer times one float32 constant: :func:`int4_midpoints`)."""
+        p, c = self.integer_power, int4_scale(self.is_signed, self.effective_power)
+        if self.is_signed:  # est = round(7 + 7 sign(y) |y|**(1/p) + 1/2): the code or one above it
+            est = torch.round(torch.copysign(self._root(y.abs()), y) * 7.0 + 7.5)
+            w = est - 7.5  # the midpoint below est is sign(w) ((|w| - 1/2)**p + (|w| + 1/2)**p) c / 2
+            aw = w.abs()
+            mag = (w * w + 0.25) * c if p == 2 else (_ipow(aw - 0.5, p) + _ipow(aw + 0.5, p)) * (c * 0.5)
+            return est.to(torch.int32) - (y <= torch.copysign(mag, w)).to(torch.int32)
+        est = torch.round(self._root(y) * 15.0)  # the code or one below it
+        bound = _ipow(est * est + est, p // 2) * c  # the midpoint above est
+        code = est.to(torch.int32) + (y > bound).to(torch.int32)
+        return torch.where(y > 0, code, 0)
 
     def _bracket(self, y: torch.Tensor):
         """``(lo, levels[lo], levels[lo + 1])`` with ``lo`` the largest level <= ``y`` (clamped to
@@ -169,20 +232,16 @@ class Int4Codec(Codec):
         p, c = self.integer_power, int4_scale(False, self.effective_power)
 
         def level(j):
-            out = j
-            for _ in range(p - 1):
-                out = out * j
-            return out * c
+            return _ipow(j, p) * c
 
-        root = y.sqrt() if p == 2 else y.sqrt().sqrt() if p == 4 else y.pow(1.0 / p)  # as the kernels'
-        e0 = torch.floor(root * 15.0).clamp(max=14.0)
+        e0 = torch.floor(self._root(y) * 15.0).clamp(max=14.0)
         la, lb = level(e0), level(e0 + 1.0)
         down = la > y
         up = (lb <= y) & (e0 < 14.0)
         lc = level(torch.where(down, e0 - 1.0, e0 + 2.0))
         l0 = torch.where(down, lc, torch.where(up, lb, la))
         l1 = torch.where(down, la, torch.where(up, lc, lb))
-        return (e0 - down.to(e0.dtype) + up.to(e0.dtype)).to(torch.int64), l0, l1
+        return (e0 - down.to(e0.dtype) + up.to(e0.dtype)).to(torch.int32), l0, l1
 
     def encode_into(self, x, out, rounding=None):
         rows, cols = x.shape
@@ -190,17 +249,13 @@ class Int4Codec(Codec):
         absmax = finite_absmax(to_blocks(x, self.block_size))
         safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
         y = _divide_blocks(x, safe, self.block_size)
-        rbits = rounding.bits(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
-        codes = self.codes_of(y.contiguous(), rbits).to(torch.uint8)
-        if cols % 2:
-            codes = torch.nn.functional.pad(codes, (0, 1))
-        out["codes"].copy_(codes[:, 0::2] | (codes[:, 1::2] << 4))
+        rbits = rounding.bits32(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
+        out["codes"].copy_(pack_nibbles(self.codes_of(y.contiguous(), rbits).to(torch.uint8)))
         out["scales"].copy_(absmax)
 
     def decode_into(self, payload, out):
         cols = out.shape[1]
-        packed = payload["codes"]
-        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])[:, :cols]
+        codes = unpack_nibbles(payload["codes"], cols)
         return out.copy_(scale_blocks(self.values_of(codes), payload["scales"], self.block_size))
 
     def values_of(self, codes: torch.Tensor) -> torch.Tensor:
@@ -210,11 +265,7 @@ class Int4Codec(Codec):
         if not self.integer_power:
             return self.tables(codes.device)[2][codes.long()]
         j = codes.to(torch.int32) - 7 if self.is_signed else codes.to(torch.int32)
-        a = j.abs()
-        mag = a
-        for _ in range(self.integer_power - 1):
-            mag = mag * a
-        value = mag.to(torch.float32) * int4_scale(self.is_signed, self.effective_power)
+        value = _ipow(j.abs(), self.integer_power).to(torch.float32) * int4_scale(self.is_signed, self.effective_power)
         return torch.where(j < 0, -value, value) if self.is_signed else value
 
     def __getstate__(self):

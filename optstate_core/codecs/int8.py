@@ -85,7 +85,7 @@ class MinifloatMap:
         that binade's mantissa grid exactly, and one code binade is subtracted back.
         """
         if rbits is not None:
-            half = (rbits & ((1 << self.shift) - 1)).to(torch.int32)
+            half = rbits & ((1 << self.shift) - 1)
         else:
             half = 1 << (self.shift - 1)
         if self.signed:
@@ -146,7 +146,7 @@ class Int8Codec(Codec):
         x = x.to(torch.float32)
         scales = pow2_scale(finite_absmax(to_blocks(x, self.block_size)))
         y = scale_blocks(x, 1.0 / scales, self.block_size)  # exact: power-of-two factor
-        rbits = rounding.bits(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
+        rbits = rounding.bits32(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
         out["codes"].copy_(self.map.encode(y.contiguous(), rbits))
         out["scales"].copy_(scales)
 

@@ -115,12 +115,18 @@ class RoundingContext:
         self.narrow = narrow
 
     def bits(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """The 32 random bits of each slab element, as int64 in [0, 2**32)."""
+        return self.bits32(rows, cols, device).to(torch.int64) & MASK32
+
+    def bits32(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """The same 32 bits held in int32 (the codecs' form: int32 arithmetic vectorizes twice as
+        wide; take the top 24 bits as ``(b >> 8) & 0xFFFFFF``, the shift filling with the sign)."""
         r = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
         if self.narrow or (isinstance(self.offset, int) and self.offset + max(rows - 1, 0) * self.row_stride + cols
                            <= 1 << 32):
             row_lo = (self.offset + r * self.row_stride).to(torch.int32)  # per row, the low 32 bits
             lo = row_lo + torch.arange(cols, device=device, dtype=torch.int32).unsqueeze(0)  # wraps mod 2**32
             key32 = _as_int32(self.key & MASK32) if isinstance(self.key, int) else self.key.to(torch.int32)
-            return element_mix(lo ^ key32).to(torch.int64) & MASK32
+            return element_mix(lo ^ key32)
         c = torch.arange(cols, device=device, dtype=torch.int64).unsqueeze(0)
-        return random_bits(self.key, self.offset + r * self.row_stride + c)
+        return random_bits(self.key, self.offset + r * self.row_stride + c).to(torch.int32)  # wraps mod 2**32
