@@ -183,21 +183,23 @@ class Int4Codec(Codec):
         return self._tables[key]
 
     def codes_of(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
-        """Codes (int32; int64 from a table search) for normalized values ``y`` in [-1, 1]
-        (finite) or +-inf."""
-        levels, mids = self.levels.to(y.device), self.midpoints.to(y.device)
+        """Codes (int32) for normalized values ``y`` in [-1, 1] (finite) or +-inf; ``rbits``: the
+        int32 rounding bits (:meth:`RoundingContext.bits32`) for stochastic rounding."""
         y = torch.where(y != y, 0.0, y)  # NaN -> 0 (vectorizes where nan_to_num's isnan does not)
         y = y.clamp(-1.0, 1.0) if self.is_signed else y.clamp(0.0, 1.0)
         if rbits is None:
-            return self._nearest(y) if self.integer_power else torch.bucketize(y, mids)
+            if self.integer_power:
+                return self._nearest(y)
+            return torch.bucketize(y, self.midpoints.to(y.device), out_int32=True)
         u = ((rbits >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
         if self.integer_power and not self.is_signed:  # the kernels' arithmetic way (no table, no division)
             lo, l0, l1 = self._bracket(y)
             code = lo + (u * (l1 - l0) < y - l0).to(torch.int32)
         else:
-            lo = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
+            levels = self.levels.to(y.device)
+            lo = (torch.bucketize(y, levels, out_int32=True, right=True) - 1).clamp(0, len(levels) - 2)
             l0, l1 = levels[lo], levels[lo + 1]
-            code = lo + (u < (y - l0) / (l1 - l0)).to(torch.int64)
+            code = lo + (u < (y - l0) / (l1 - l0)).to(torch.int32)
         return code if self.is_signed else torch.where(y > 0, code.clamp_min(1), code)
 
     def _root(self, a: torch.Tensor) -> torch.Tensor:

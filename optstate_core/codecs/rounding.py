@@ -83,16 +83,25 @@ def element_mix(x: torch.Tensor) -> torch.Tensor:
     return _xorshift16(y) * _as_int32(ELEMENT_MULT)
 
 
+def _key32(key):
+    """The 32 bits of ``key`` (a Python int or an int64 0-d tensor) as an int32."""
+    return _as_int32(key & MASK32) if isinstance(key, int) else key.to(torch.int32)
+
+
+def random_bits32(key, index: torch.Tensor) -> torch.Tensor:
+    """:func:`random_bits`' 32 bits held in int32 (the form the codecs compute with)."""
+    lo = index.to(torch.int32)  # the low 32 bits
+    hi = _mix32_int32((index >> 32).to(torch.int32))  # 0 for indices below 2**32
+    return element_mix((lo ^ _key32(key)) + hi)
+
+
 def random_bits(key, index: torch.Tensor) -> torch.Tensor:
     """32 random bits (as int64 in [0, 2**32)) for each element index (int64 tensor); ``key``
     a Python int in [0, 2**32) or an int64 0-d tensor holding one.
 
     The arithmetic is modulo 2**32 on int32 tensors (same bits as the Triton kernels' uint32
     twin and as the int64 formulation this replaced on 2026-11-23: the stream is unchanged)."""
-    lo = index.to(torch.int32)  # the low 32 bits
-    hi = _mix32_int32((index >> 32).to(torch.int32))  # 0 for indices below 2**32
-    key32 = _as_int32(key & MASK32) if isinstance(key, int) else key.to(torch.int32)
-    return element_mix((lo ^ key32) + hi).to(torch.int64) & MASK32
+    return random_bits32(key, index).to(torch.int64) & MASK32
 
 
 class RoundingContext:
@@ -126,7 +135,6 @@ class RoundingContext:
                            <= 1 << 32):
             row_lo = (self.offset + r * self.row_stride).to(torch.int32)  # per row, the low 32 bits
             lo = row_lo + torch.arange(cols, device=device, dtype=torch.int32).unsqueeze(0)  # wraps mod 2**32
-            key32 = _as_int32(self.key & MASK32) if isinstance(self.key, int) else self.key.to(torch.int32)
-            return element_mix(lo ^ key32)
+            return element_mix(lo ^ _key32(self.key))
         c = torch.arange(cols, device=device, dtype=torch.int64).unsqueeze(0)
-        return random_bits(self.key, self.offset + r * self.row_stride + c).to(torch.int32)  # wraps mod 2**32
+        return random_bits32(self.key, self.offset + r * self.row_stride + c)
