@@ -172,12 +172,13 @@ class Engine:
                 fused.append((w, plan))
             else:
                 tiled.append(w)
-        if fused and passthrough:
-            # uncompressed tensors next to fused ones (small-tensor bypass): step them in the
-            # same launches, so the step needs no host synchronisation and no second optimizer
-            still = []
+        if passthrough:
+            # uncompressed tensors next to fused ones (small-tensor bypass) go into the same
+            # launches, so the step needs no host synchronisation and no second optimizer; so do
+            # those the kernel steps exactly as torch's fused Adam(W) (NaN/inf skipped per block)
+            beside, still = bool(fused), []
             for w in passthrough:
-                plan = self.fused.plan(w, allow_uncompressed=True)
+                plan = self.fused.plan(w, allow_uncompressed=True) if beside else self.fused.takes_uncompressed(w)
                 (fused.append((w, plan)) if plan is not None else still.append(w))
             passthrough = still
         on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])

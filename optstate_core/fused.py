@@ -142,7 +142,26 @@ class FusedPath:
         if not master and not allow_uncompressed and not offload and all(k == FP32 for k in kinds):
             return None  # uncompressed: torch's own implementation (passthrough) is exact
         return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first, "offload": offload,
-                "host": host, "master": master, "master_codec": master_codec if master else None}
+                "host": host, "master": master, "master_codec": master_codec if master else None,
+                "torch_fused": self._torch_fused_math(group, p, kind, kinds, master, offload)}
+
+    def _torch_fused_math(self, group, p, kind, kinds, master, offload) -> bool:
+        """Whether the kernel steps this parameter with torch's fused CUDA Adam/AdamW arithmetic
+        (``kernels/adam.py: torch_fused_moments``), bit-identical to the unwrapped optimizer: its group
+        has ``fused=True``, the parameter and every state are fp32 and resident, and the decay is
+        decoupled (or zero; Adam's L2 decay is not reproduced bit for bit, so it stays with torch)."""
+        if kind != "adam" or not group.get("fused") or master or offload or p.dtype != torch.float32:
+            return False
+        decoupled = group.get("decoupled_weight_decay", isinstance(self.engine.inner, torch.optim.AdamW))
+        return all(k == FP32 for k in kinds) and (decoupled or not group["weight_decay"])
+
+    def takes_uncompressed(self, w) -> Optional[dict]:
+        """The plan of a parameter with uncompressed state when the kernels step it bit-identically
+        to torch's fused Adam/AdamW (NaN/inf then skipped per block, with no extra pass), else None."""
+        if self.mode is False or (w.param.device.type != "cuda" and not (self.mode and interpreting())):
+            return None
+        plan = self.plan(w, allow_uncompressed=True)
+        return plan if plan is not None and plan["torch_fused"] else None
 
     # -- launch ------------------------------------------------------------------------------------------
     def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:

@@ -145,9 +145,13 @@ class KernelLauncher:
             STEPS = bucket.steps_table(device)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
-            CORR = torch.empty(3 * n, dtype=torch.float32, device=device)  # per-tensor bias corrections
-            bias_corrections_kernel[(n,)](STEPS, CORR, lr_ptr, lr_val, math.log(beta1) if beta1 > 0 else -1e30,
-                                          math.log(beta2) if beta2 > 0 else -1e30, LR_TENSOR=lr_tensor)
+            torch_fused = bool(plan.get("torch_fused"))
+            if torch_fused:
+                CORR = torch_fused_corrections(bucket, lr, beta1, beta2, device)
+            else:
+                CORR = torch.empty(3 * n, dtype=torch.float32, device=device)  # per-tensor bias corrections
+                bias_corrections_kernel[(n,)](STEPS, CORR, lr_ptr, lr_val, math.log(beta1) if beta1 > 0 else -1e30,
+                                              math.log(beta2) if beta2 > 0 else -1e30, LR_TENSOR=lr_tensor)
             adam_kernel[(n_prog,)](
                 P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
@@ -159,7 +163,7 @@ class KernelLauncher:
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
-                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters,
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
                 **self._master(bucket, device), **common)
             if advance:
                 self.advance_steps(bucket)
@@ -221,6 +225,25 @@ class KernelLauncher:
         return dummy, dummy, dummy
 
 
+def torch_fused_corrections(bucket, lr, beta1: float, beta2: float, device) -> torch.Tensor:
+    """The bias corrections of the coming step as torch's fused Adam/AdamW computes them, for the
+    kernel's TORCH_FUSED arithmetic: ``CORR[3 t]`` = ``lr / (1 - beta1**step)`` and ``CORR[3 t + 2]`` =
+    ``sqrt(1 - beta2**step)`` in float32, from each parameter's step count on the device. torch's own
+    ``pow`` on the device is used because its float32 results differ from Triton's libdevice ``powf``
+    in the last bit for some steps; a handful of small launches, no host synchronisation."""
+    steps = torch.stack([st["step"] for st in bucket.states]).add_(1.0)  # the count torch's kernel reads
+    key = (str(device), beta1, beta2)
+    betas = _BETAS.get(key)
+    if betas is None:
+        betas = _BETAS[key] = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=device)
+    corr = torch.pow(betas, steps[None, :]).neg_().add_(1.0)  # float32 [2, n]: 1 - beta**step
+    if not isinstance(lr, torch.Tensor):
+        lr = torch.full((), lr, dtype=torch.float32, device=device)
+    step_size = torch.div(lr, corr[0])
+    return torch.stack([step_size, step_size, corr[1].sqrt_()], 1).reshape(-1)
+
+
+_BETAS: Dict[tuple, torch.Tensor] = {}
 _DUMMIES: Dict[str, torch.Tensor] = {}
 
 

@@ -242,6 +242,18 @@ def overflow_to_inf(v, g):
 
 
 @triton.jit
+def torch_fused_moments(m, v, g, beta1, beta2):
+    """The moments as torch's fused CUDA Adam/AdamW kernel updates fp32 state (``adam_math`` in
+    ATen's fused_adam_utils.cuh: betas as float32, ``beta * s + (1 - beta) * x`` in two fused
+    multiply-adds), so the result is bit-identical to ``torch.optim.AdamW(fused=True)``; checked
+    on the GPU against torch itself (tests/gpu/test_torch_fused_exact.py)."""
+    gg = g * g
+    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+    v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
+    return m, v
+
+
+@triton.jit
 def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
@@ -253,7 +265,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
                 IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, V_POW: tl.constexpr = 0,
-                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0):
+                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0, TORCH_FUSED: tl.constexpr = False):
     pid = tl.program_id(0)
     t, b_first = program_tile(pid, PROG_START, N_TENSORS, NBLK * ITERS, TPOW2)
     # per program (one tensor): pointers, bias corrections, rounding keys
@@ -286,7 +298,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
         g = g_in
         if MAXIMIZE:
             g = -g
-        if DECOUPLED:
+        if TORCH_FUSED:  # torch's fused CUDA Adam(W) arithmetic, fp32 throughout (see torch_fused_moments);
+            if weight_decay != 0.0:  # decoupled here: fused.py keeps Adam's L2 decay off this path
+                p = tl.fma(-(lr * weight_decay), p, p)
+        elif DECOUPLED:
             p = p * (1.0 - lr * weight_decay)
         else:
             g = g + weight_decay * p
@@ -297,8 +312,11 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
             m = load_state(m_addr, ms_addr, elem, mask, pair, pmask, s8, s4, s4mask, m_lut, M_KIND, True, NBLK, M_POW)
             v = load_state(v_addr, vs_addr, elem, mask, pair, pmask, s8, s4, s4mask, v_lut, V_KIND, False, NBLK,
                            V_POW)
-        m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
-        v = v * beta2 + (one_minus_beta2 * g) * g
+        if TORCH_FUSED:
+            m, v = torch_fused_moments(m, v, g, beta1, beta2)
+        else:
+            m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
+            v = v * beta2 + (one_minus_beta2 * g) * g
         # the NaN/inf verdict of a block, folded into the int8 second moment's block maximum (one
         # block reduction fewer, g_in dies here): decoupled decay (|g| = |g_in|), not a first step
         FOLD: tl.constexpr = CHECK_FINITE and DECOUPLED and not FIRST and not AMSGRAD and V_KIND == INT8
@@ -315,7 +333,9 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
         else:
             vmax = v
             vv = v
-        if FAST_MATH:  # hardware square root and reciprocal square root (a few ulp), few instructions:
+        if TORCH_FUSED:  # correctly rounded, in torch's fused kernel's order (fp32 eps)
+            p = p - tl.math.div_rn(step_size * m, tl.math.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps)
+        elif FAST_MATH:  # hardware square root and reciprocal square root (a few ulp), few instructions:
             r = tl.math.rsqrt(tl.sqrt(vv) * inv_bc2_sqrt + eps)  # 1 / denominator = r * r, no range fix-ups
             p = p - (step_size * m) * (r * r)
         else:  # correctly rounded, as torch

@@ -81,33 +81,15 @@ def test_nonfinite_skip_on_gpu():
     assert opt.memory_report()["nonfinite_skipped"] == 1
 
 
-def test_fp32_passthrough_skips_on_the_device_and_stays_bit_identical():
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
-    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-3, fused=True), "fp32")
-    ref = torch.optim.AdamW(qs, lr=1e-3, fused=True)
-    for step in range(4):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn_like(p) * 1e-2
-            q.grad = p.grad.clone()
-        if step == 2:
-            ps[0].grad[3, 3] = float("inf")
-        step_without_sync(opt)
-        if step != 2:
-            ref.step()
-        for p, q in zip(ps, qs):
-            assert torch.equal(p, q), step
-    assert opt.memory_report()["nonfinite_skipped"] == len(SHAPES)
-
-
 def test_fp32_passthrough_checks_gradients_in_backward():
-    """With check_in_backward, from the second step on, the fp32 passthrough step uses the NaN/inf
-    maxima that backward hooks took on a side stream (backward_check.py), still bit-identical to torch's fused AdamW
-    and sync-free; a NaN from backward skips the step, and a gradient changed after backward (in
-    place, or replaced) is checked again in the step, so its NaN skips the step too."""
+    """With check_in_backward, from the second step on, the passthrough step (torch's fused AdamW on
+    raw state: bf16 parameters here; fp32 ones go to our kernel, test_torch_fused_exact.py) uses the
+    NaN/inf maxima that backward hooks took on a side stream (backward_check.py), still
+    bit-identical to torch's fused AdamW and sync-free; a NaN from backward skips the step, and a
+    gradient changed after backward (in place, or replaced) is checked again in the step, so its
+    NaN skips the step too."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda().bfloat16()
     ref_model = copy.deepcopy(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "fp32", check_in_backward=True)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
@@ -115,7 +97,7 @@ def test_fp32_passthrough_checks_gradients_in_backward():
     check = opt._engine.backward_check
     skips = 0
     for step in range(7):
-        x = torch.randn(32, 64, device="cuda")
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
         if step == 5:
             x[0, 0] = float("nan")  # the NaN comes out of backward itself
         for m in (model, ref_model):
@@ -146,7 +128,7 @@ def test_fp32_passthrough_checks_gradients_in_backward():
     off = oc.wrap(torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True), "fp32")  # the default
     for _ in range(2):
         ref_model.zero_grad(set_to_none=True)
-        ref_model(torch.randn(32, 64, device="cuda")).square().mean().backward()
+        ref_model(torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)).square().mean().backward()
         off.step()
     assert off._engine.backward_check.used == 0 and not off._engine.backward_check.active
 
@@ -154,9 +136,9 @@ def test_fp32_passthrough_checks_gradients_in_backward():
 def test_backward_checks_without_steps_hold_no_old_gradients():
     """Backwards without a step (gradients dropped each time) must not pile up gradients that the
     side stream has finished reading: only reads still in flight keep theirs."""
-    model = torch.nn.Linear(256, 256).cuda()
+    model = torch.nn.Linear(256, 256).cuda().bfloat16()  # bf16: the passthrough (fp32 goes to our kernel)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), fused=True), "fp32", check_in_backward=True)
-    x = torch.randn(8, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
         model(x).sum().backward()
         opt.step()
@@ -173,10 +155,10 @@ def test_a_captured_fp32_step_checks_the_gradients_of_each_replay():
     """A passthrough step captured in a CUDA graph checks its gradients inside the graph: maxima
     that a backward took before the capture would be stale at every replay."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(64, 32).cuda()
+    model = torch.nn.Linear(64, 32).cuda().bfloat16()  # bf16: the passthrough (fp32 goes to our kernel)
     inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
     opt = oc.wrap(inner, "fp32", check_in_backward=True)
-    x = torch.randn(16, 64, device="cuda")
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
 
     def backward():  # into the same gradient tensors every time (zero_grad keeps them)
         opt.zero_grad(set_to_none=False)

@@ -121,6 +121,70 @@ def test_bf16_parameters():
     run_pair(torch.optim.AdamW, dict(lr=1e-2), lambda: policy("int8", "int8"), dtype=torch.bfloat16)
 
 
+def fp32_pair(cls, kw, **options):
+    """The fp32 preset on torch's fused optimizer (inner ``fused=True``) and torch's optimizer alone."""
+    ps, qs = params(), params()
+    return ps, qs, build(ps, cls, dict(kw, fused=True), "fp32", fused=True, **options), cls(qs, **kw, fused=True)
+
+
+@pytest.mark.parametrize("kw", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, amsgrad=True), dict(lr=1e-2, maximize=True)],
+                         ids=["decay", "amsgrad", "maximize"])
+def test_fp32_state_of_a_fused_optimizer_goes_to_the_kernel(kw):
+    """The kernel steps fp32 state of a ``fused=True`` AdamW with torch's fused CUDA arithmetic
+    (TORCH_FUSED; bit for bit on a GPU: tests/gpu/test_torch_fused_exact.py). Here, against torch's
+    fused kernel of this device, which orders its arithmetic differently: within |diff| <= 1e-6 +
+    2e-5 |x| after 4 steps (the CUDA arithmetic weighs the gradient by 1 - float32(beta): for
+    beta2 = 0.999 that is 1.3e-5 off 0.001, relative)."""
+    ps, qs, opt, ref = fp32_pair(torch.optim.AdamW, kw)
+    for s in range(4):
+        set_grads(ps, s)
+        set_grads(qs, s)
+        opt.step()
+        ref.step()
+        assert opt.last_step_timings["fused_params"] == len(SHAPES)
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=1e-6)
+        for key, value in ref.state[q].items():
+            got = opt.state[p][key]
+            assert isinstance(got, torch.Tensor) and got.dtype == value.dtype, key
+            torch.testing.assert_close(got, value, rtol=2e-5, atol=1e-6)
+
+
+def test_fp32_state_skips_a_nonfinite_block_inside_the_kernel():
+    """fp32 preset on a fused AdamW: a NaN/inf gradient leaves its 256-element block (parameter and
+    both moments) as it was; every other element takes exactly the step it takes without it."""
+    (ps, _, clean, _), (qs, _, opt, _) = (fp32_pair(torch.optim.AdamW, dict(lr=1e-2)) for _ in range(2))
+    for x, o in ((ps, clean), (qs, opt)):
+        set_grads(x, 0)
+        o.step()
+        set_grads(x, 1)
+    ps[0].grad[3, 300] = 0.0
+    qs[0].grad[3, 300] = float("inf")
+    before = [qs[0].detach().clone()] + [opt.state[qs[0]][k].clone() for k in ("exp_avg", "exp_avg_sq")]
+    clean.step()
+    opt.step()
+    sk = torch.zeros(qs[0].shape, dtype=torch.bool, device=DEVICE)
+    sk[3, 256:512] = True
+    after = [qs[0]] + [opt.state[qs[0]][k] for k in ("exp_avg", "exp_avg_sq")]
+    want = [ps[0]] + [clean.state[ps[0]][k] for k in ("exp_avg", "exp_avg_sq")]
+    for b, a, w in zip(before, after, want):
+        assert torch.equal(a[sk], b[sk]) and torch.equal(a[~sk], w[~sk])
+    for p, q in zip(ps[1:], qs[1:]):
+        assert torch.equal(p, q)
+    assert opt.memory_report()["nonfinite_skipped"] == 1
+
+
+@pytest.mark.parametrize("cls,kw", [(torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),
+                                    (torch.optim.AdamW, dict(lr=1e-2, fused=False))], ids=["adam-l2", "not-fused"])
+def test_fp32_state_stays_with_torch_where_its_arithmetic_is_not_reproduced(cls, kw):
+    ps = params()
+    fused = kw.pop("fused", True)
+    opt = build(ps, cls, dict(kw, fused=fused), "fp32", fused=True)
+    set_grads(ps, 0)
+    opt.step()
+    assert opt.last_step_timings["fused_params"] == 0
+
+
 def _skip_pair(first: bool, v_codec="int4", **options):
     """Two fused optimizers from identical state; the second sees NaN/inf (and a finite value
     >= 2**64) in some gradients, the first the same gradients with those entries zeroed.
