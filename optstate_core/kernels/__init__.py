@@ -1,7 +1,8 @@
 """Triton kernels, each beside its reference twin and tested against it (``tests/kernels``).
 
 * ``codec_ops.py``  decode/encode of state tiles (twins: ``optstate_core/codecs``)
-* ``adam.py``       fused Adam/AdamW step (twin: the engine's tiled path with torch.optim.Adam)
+* ``adam.py``       fused Adam/AdamW step (twin: the engine's tiled path with torch.optim.Adam;
+                    with TORCH_FUSED, torch's own fused CUDA Adam(W), tests/gpu/test_torch_fused_exact.py)
 * ``sgd.py``        fused SGD-with-momentum step (twin: tiled path with torch.optim.SGD)
 * ``launch.py``     pointer tables and work lists
 

@@ -7,6 +7,8 @@ single-tensor arithmetic (maximize, L2 or decoupled weight decay, lerp for the f
 amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device
 (``bias_corrections_kernel``, one program per tensor, just before), so no host synchronisation or
 host-side step value is needed (the step is CUDA-graph friendly).
+With ``TORCH_FUSED`` (fp32 state of a ``fused=True`` optimizer) it follows torch's fused CUDA
+kernel instead, bit for bit (``torch_fused_moments``; bias corrections from the launch).
 The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` -> encode);
 ``tests/kernels`` compares the two on random inputs.
 """

@@ -121,6 +121,17 @@ def test_bf16_parameters():
     run_pair(torch.optim.AdamW, dict(lr=1e-2), lambda: policy("int8", "int8"), dtype=torch.bfloat16)
 
 
+def poison_second_step(ps, clean, qs, opt, where, value):
+    """Step both optimizers once, give both the next gradients, then put ``value`` at ``where`` in
+    the first parameter's gradient of ``qs`` and a zero there in ``ps``'s."""
+    for x, o in ((ps, clean), (qs, opt)):
+        set_grads(x, 0)
+        o.step()
+        set_grads(x, 1)
+    ps[0].grad[where] = 0.0
+    qs[0].grad[where] = value
+
+
 def fp32_pair(cls, kw, **options):
     """The fp32 preset on torch's fused optimizer (inner ``fused=True``) and torch's optimizer alone."""
     ps, qs = params(), params()
@@ -154,12 +165,7 @@ def test_fp32_state_skips_a_nonfinite_block_inside_the_kernel():
     """fp32 preset on a fused AdamW: a NaN/inf gradient leaves its 256-element block (parameter and
     both moments) as it was; every other element takes exactly the step it takes without it."""
     (ps, _, clean, _), (qs, _, opt, _) = (fp32_pair(torch.optim.AdamW, dict(lr=1e-2)) for _ in range(2))
-    for x, o in ((ps, clean), (qs, opt)):
-        set_grads(x, 0)
-        o.step()
-        set_grads(x, 1)
-    ps[0].grad[3, 300] = 0.0
-    qs[0].grad[3, 300] = float("inf")
+    poison_second_step(ps, clean, qs, opt, (3, 300), float("inf"))
     before = [qs[0].detach().clone()] + [opt.state[qs[0]][k].clone() for k in ("exp_avg", "exp_avg_sq")]
     clean.step()
     opt.step()
@@ -252,12 +258,7 @@ def test_sgd_nonfinite_gradient_skips_its_block():
     ps, qs = params(), params()
     pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", min_int8_elements=0)  # noqa: E731
     ref, opt = (build(x, torch.optim.SGD, dict(lr=0.1, momentum=0.9), pol(), fused=True) for x in (ps, qs))
-    for x, o in ((ps, ref), (qs, opt)):
-        set_grads(x, 0)
-        o.step()
-        set_grads(x, 1)
-    ps[0].grad[5, 300] = 0.0
-    qs[0].grad[5, 300] = float("nan")
+    poison_second_step(ps, ref, qs, opt, (5, 300), float("nan"))
     before, buf = qs[0].detach().clone(), opt.state[qs[0]]["momentum_buffer"].decode()
     ref.step()
     opt.step()
