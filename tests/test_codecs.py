@@ -240,11 +240,11 @@ def test_int4_stochastic_bracket_equals_the_table_search(power):
     assert torch.equal(l1.view(torch.int32), levels[expected + 1].view(torch.int32))
 
 
-@pytest.mark.parametrize("cols", [1, 2, 3, 5, 6, 7, 8, 256, 260])
+@pytest.mark.parametrize("cols", [1, 2, 3, 5, 6, 7, 8, 12, 16, 24, 256, 260])
 def test_pack_nibbles_puts_element_2i_in_the_low_nibble(cols):
-    """4-bit codes packed two per byte (four at a time through an int32 view when the row holds a
-    multiple of 4) are the element-by-element packing, and unpacking (four at a time when the row
-    has an even number of bytes) and the codec's decode give the codes back."""
+    """4-bit codes packed two per byte (eight at a time through an int64 view when the row holds a
+    multiple of 8) are the element-by-element packing, and unpacking (eight at a time when the row
+    has a multiple of 4 bytes) and the codec's decode give the codes back."""
     from optstate_core.codecs.int4 import Int4Codec, pack_nibbles, unpack_nibbles
     codes = torch.randint(0, 16, (5, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(cols))
     padded = torch.nn.functional.pad(codes, (0, cols % 2))

@@ -93,15 +93,17 @@ def _ipow(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte (uint8 ``[rows, cols]`` -> ``[rows, ceil(cols / 2)]``), element
-    ``2i`` in the low nibble. Rows of a multiple of 4 codes are packed four at a time through an
-    int32 view of their bytes (little-endian), which compiled CPU code vectorizes; a strided pair
-    ``codes[:, 0::2] | codes[:, 1::2] << 4`` would not, and the encoder feeding it would be
-    computed in a scalar loop."""
+    ``2i`` in the low nibble. Rows of a multiple of 8 codes are packed eight at a time through an
+    int64 view of their bytes (little-endian) into an int32 word: shifts and masks that compiled CPU
+    code vectorizes (int16 or strided arithmetic, e.g. ``codes[:, 0::2] | codes[:, 1::2] << 4``,
+    would run as a scalar loop)."""
     rows, cols = codes.shape
-    if cols % 4 == 0 and sys.byteorder == "little":
-        word = codes.contiguous().view(torch.int32)  # bytes c0 c1 c2 c3 -> c0 | c1 << 8 | ...
-        packed = (word & 0xF) | ((word >> 4) & 0xF0) | ((word >> 8) & 0xF00) | ((word >> 12) & 0xF000)
-        return packed.to(torch.int16).view(torch.uint8)
+    if cols % 8 == 0 and sys.byteorder == "little":
+        word = codes.contiguous().view(torch.int64)  # bytes c0 .. c7 -> c0 | c1 << 8 | ... | c7 << 56
+        packed = word & 0xF
+        for k in range(1, 8):  # code k: bits 8k .. 8k+3 -> 4k .. 4k+3
+            packed = packed | ((word >> (4 * k)) & (0xF << (4 * k)))
+        return packed.to(torch.int32).view(torch.uint8)
     if cols % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -109,14 +111,16 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """The inverse of :func:`pack_nibbles`: uint8 codes ``[rows, cols]`` from ``[rows, ceil(cols / 2)]``
-    bytes. An even number of bytes is unpacked four codes at a time (an int16 view of two bytes
-    spread into the four bytes of an int32), which compiled CPU code vectorizes; a ``stack`` of
-    the two nibbles would run as a separate copy."""
+    bytes. Rows of a multiple of 4 bytes are unpacked eight codes at a time (an int32 view of four
+    bytes spread into the eight bytes of an int64), which compiled CPU code vectorizes; a
+    ``stack`` of the two nibbles would run as a separate copy."""
     rows, half = packed.shape
-    if half % 2 == 0 and sys.byteorder == "little":
-        two = packed.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-        word = (two & 0xF) | ((two & 0xF0) << 4) | ((two & 0xF00) << 8) | ((two & 0xF000) << 12)
-        return word.view(torch.uint8)[:, :cols]
+    if half % 4 == 0 and sys.byteorder == "little":
+        word = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        spread = word & 0xF
+        for k in range(1, 8):  # code k: bits 4k .. 4k+3 -> 8k .. 8k+3
+            spread = spread | ((word & (0xF << (4 * k))) << (4 * k))
+        return spread.view(torch.uint8)[:, :cols]
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, 2 * half)[:, :cols]
 
 
