@@ -117,3 +117,37 @@ def test_adam_with_l2_decay_and_bf16_parameters_stay_with_torch():
             ref.step()
             assert opt.last_step_timings["fused_params"] == 0
             assert_identical(ps, qs, opt, ref, s)
+
+
+def test_a_captured_step_replays_torch_fused_adamw_bit_for_bit():
+    """The fp32 kernel path (bias corrections from torch ops on the device, the Triton launch) is
+    captured in a CUDA graph; each replay equals an eager step of torch's own fused AdamW."""
+    kw = dict(lr=torch.tensor(1e-3, device="cuda"), capturable=True, weight_decay=0.05)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = oc.wrap(torch.optim.AdamW(ps, **kw, fused=True), "fp32")
+    ref = torch.optim.AdamW(qs, **kw, fused=True)
+    set_grads(ps, qs, 0)
+    for o in (opt, ref):
+        o.step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()  # warm the pointer tables on this stream
+        ref.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()  # captured, not run
+    assert_identical(ps, qs, opt, ref, "before the replays")
+    captured = [p.grad for p in ps]  # the gradient tensors the graph reads
+    for s in range(1, 4):
+        set_grads(ps, qs, s)
+        for p, g in zip(ps, captured):
+            g.copy_(p.grad)
+            p.grad = g
+        graph.replay()
+        ref.step()
+        torch.cuda.synchronize()
+        assert_identical(ps, qs, opt, ref, s)
