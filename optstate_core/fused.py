@@ -152,7 +152,10 @@ class FusedPath:
         decoupled (or zero; Adam's L2 decay is not reproduced bit for bit, so it stays with torch)."""
         if kind != "adam" or not group.get("fused") or master or offload or p.dtype != torch.float32:
             return False
-        decoupled = group.get("decoupled_weight_decay", isinstance(self.engine.inner, torch.optim.AdamW))
+        inner = self.engine.inner
+        if getattr(inner, "grad_scale", None) is not None or getattr(inner, "found_inf", None) is not None:
+            return False  # torch's own step unscales and skips with them
+        decoupled = group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW))
         return all(k == FP32 for k in kinds) and (decoupled or not group["weight_decay"])
 
     def takes_uncompressed(self, w) -> Optional[dict]:

@@ -72,3 +72,17 @@ def same_up_to_rounding_flips(diff: torch.Tensor, tol: float = 1e-5, bound: floa
     So: all but a handful (0.5%) agree to ``tol``, and none differs by ``bound`` or more (a wrong
     accumulation or a missed all-reduce moves most parameters by ~lr)."""
     return int((diff > tol).sum()) <= max(3, diff.numel() // 200) and float(diff.max()) < bound
+
+
+def capture_step(step, warm=None):
+    """A CUDA graph of ``step()`` (not run at capture), after ``warm()`` (default: ``step``) ran
+    once on a side stream, as torch's capture recipe asks (pointer tables and caches warmed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        (warm or step)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

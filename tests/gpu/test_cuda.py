@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import optstate_core as oc
+from helpers import capture_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,15 +52,7 @@ def test_fused_step_in_a_cuda_graph(preset):
         for _ in range(2):
             o.step()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        opt.step()  # warm the pointer tables on this stream
-        twin.step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
+    graph = capture_step(opt.step, warm=lambda: (opt.step(), twin.step()))  # warms the pointer tables
     for _ in range(3):
         graph.replay()
         twin.step()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import optstate_core as oc
+from helpers import capture_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -131,15 +132,7 @@ def test_a_captured_step_replays_torch_fused_adamw_bit_for_bit():
     set_grads(ps, qs, 0)
     for o in (opt, ref):
         o.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        opt.step()  # warm the pointer tables on this stream
-        ref.step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()  # captured, not run
+    graph = capture_step(opt.step, warm=lambda: (opt.step(), ref.step()))  # captured, not run
     assert_identical(ps, qs, opt, ref, "before the replays")
     captured = [p.grad for p in ps]  # the gradient tensors the graph reads
     for s in range(1, 4):
