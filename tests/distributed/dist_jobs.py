@@ -129,6 +129,24 @@ def fsdp_job(rank, world, tmp):
     finish()
 
 
+def fsdp_fp32_fused_job(rank, world, tmp):
+    """FSDP2 with fp32 state of a ``fused=True`` AdamW: the kernels step the local shards with
+    torch's fused arithmetic (interpreted here); the same setup with torch's AdamW alone beside it."""
+    init(rank, world, tmp)
+    out = {}
+    for name, wrap in (("optstate", True), ("torch", False)):
+        model = shard_layers(build_model())
+        inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+        opt = oc.wrap(inner, "fp32", fused=True) if wrap else inner
+        train(model, opt, 3, rank, world)
+        out[name] = [full(p.detach()).clone() for p in model.parameters()]
+        if wrap:
+            out["fused_params"] = opt.last_step_timings["fused_params"]
+    if rank == 0:
+        torch.save(out, f"{tmp}/fsdp_fp32_result.pt")
+    finish()
+
+
 def ddp_job(rank, world, tmp):
     init(rank, world, tmp)
     model = torch.nn.parallel.DistributedDataParallel(build_model())

@@ -109,6 +109,18 @@ def test_ddp_matches_single_process(tmp_path):
     assert_close_up_to_code_flips(out["params"], ref)
 
 
+def test_fsdp2_fp32_state_of_a_fused_adamw_goes_to_the_kernel(tmp_path):
+    """Under FSDP2 the kernels take fp32 state of a ``fused=True`` AdamW shard by shard (torch's
+    fused CUDA arithmetic, interpreted here): every parameter on the kernel path, and the run
+    matches torch's own fused AdamW of this device under the same sharding within |diff| <= 1e-6
+    + 2e-5 |p| (its CPU kernel orders the arithmetic differently: tests/kernels/test_fused_step.py)."""
+    spawn(dist_jobs.fsdp_fp32_fused_job, tmp_path)
+    out = torch.load(tmp_path / "fsdp_fp32_result.pt", weights_only=False)
+    assert out["fused_params"] == len(out["torch"])
+    for got, ref in zip(out["optstate"], out["torch"]):
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-6)
+
+
 def test_fsdp2_with_master_weights_as_state(tmp_path):
     """bf16 parameters sharded by FSDP2, their masters sharded as optimizer state: the run matches
     one process up to bf16 gradient noise, each rank holds about half of the state, and a DCP
