@@ -137,6 +137,12 @@ class Bucket:
                     launch.pointer_table([v.payload.get("scales") for v in values], device))
         return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
 
+    def step_tensors(self):
+        """The parameters' ``step`` tensors (held as the bucket was built, like its tables)."""
+        if "step_tensors" not in self._tables:
+            self._tables["step_tensors"] = [st["step"] for st in self.states]
+        return self._tables["step_tensors"]
+
     def steps_table(self, device):
         if "steps" not in self._tables:
                 self._tables["steps"] = launch.pointer_table([st["step"] for st in self.states], device)

@@ -44,6 +44,7 @@ from .codecs import EncodedTensor
 from .codecs.rounding import RoundingContext, state_seed, stream_key
 from .cpu_compile import inductor_backend, mark_sizes, note_compile, shape_config
 from .dtensor import is_dtensor
+from .inner import decoupled_decay
 from .store import matches
 
 log = logging.getLogger("optstate")
@@ -178,7 +179,7 @@ def _group_ok(inner: torch.optim.Optimizer, group: dict) -> Optional[str]:
             return f"{flag}=True"
     if isinstance(group.get("lr"), torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
         return "tensor lr/betas"
-    if group.get("weight_decay") and not _decoupled(inner, group):
+    if group.get("weight_decay") and not decoupled_decay(inner, group):
         return "Adam with L2 weight decay (torch fuses its add into one rounding)"
     return None
 
@@ -295,7 +296,7 @@ def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
 def _hyper(inner, group, step: float) -> List[float]:
     beta1, beta2 = group["betas"]
     return adam_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                        float(group["weight_decay"]), step, _decoupled(inner, group))
+                        float(group["weight_decay"]), step, decoupled_decay(inner, group))
 
 
 def _slices(engine, plan: CpuPlan, hyper: List[float]) -> List[_Slice]:
@@ -389,10 +390,6 @@ def _class_width(kind: tuple, width: int) -> Optional[int]:
         seen.add(width)
         return width
     return None
-
-
-def _decoupled(inner, group) -> bool:
-    return bool(group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW)))
 
 
 def _seed(engine, index: int, key: str, codec) -> Optional[int]:

@@ -178,7 +178,7 @@ class Engine:
             # those the kernel steps exactly as torch's fused Adam(W) (NaN/inf skipped per block)
             beside, still = bool(fused), []
             for w in passthrough:
-                plan = self.fused.plan(w, allow_uncompressed=True) if beside else self.fused.takes_uncompressed(w)
+                plan = self.fused.takes_uncompressed(w, beside)
                 (fused.append((w, plan)) if plan is not None else still.append(w))
             passthrough = still
         on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])

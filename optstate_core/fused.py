@@ -21,6 +21,7 @@ from .codecs import BF16Codec, EncodedTensor, FP32Codec, Int4Codec, Int8Codec
 from .dtensor import is_dtensor, like_param, local
 from .fused_launch import BF16, FP32, INT4, INT8, P_KINDS
 from .kernels import interpreting, triton_error
+from .inner import decoupled_decay
 from .kernels.launch import MAX_TENSORS
 from .master_weights import MASTER_KEY
 from .store import allocate_many
@@ -155,16 +156,17 @@ class FusedPath:
         inner = self.engine.inner
         if getattr(inner, "grad_scale", None) is not None or getattr(inner, "found_inf", None) is not None:
             return False  # torch's own step unscales and skips with them
-        decoupled = group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW))
-        return all(k == FP32 for k in kinds) and (decoupled or not group["weight_decay"])
+        return all(k == FP32 for k in kinds) and (decoupled_decay(inner, group) or not group["weight_decay"])
 
-    def takes_uncompressed(self, w) -> Optional[dict]:
-        """The plan of a parameter with uncompressed state when the kernels step it bit-identically
-        to torch's fused Adam/AdamW (NaN/inf then skipped per block, with no extra pass), else None."""
+    def takes_uncompressed(self, w, beside: bool) -> Optional[dict]:
+        """The plan of a parameter with uncompressed state if the kernels step it, else None (torch's
+        own step): ``beside`` compressed ones (the same launches, no second optimizer), or alone
+        where the kernel steps it bit-identically to torch's fused Adam/AdamW (NaN/inf then skipped
+        per block, with no extra pass)."""
         if self.mode is False or (w.param.device.type != "cuda" and not (self.mode and interpreting())):
             return None
         plan = self.plan(w, allow_uncompressed=True)
-        return plan if plan is not None and plan["torch_fused"] else None
+        return plan if plan is not None and (beside or plan["torch_fused"]) else None
 
     # -- launch ------------------------------------------------------------------------------------------
     def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:

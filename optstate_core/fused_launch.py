@@ -14,6 +14,7 @@ import torch
 
 from .codecs import Int4Codec
 from .codecs.rounding import state_seed
+from .inner import decoupled_decay
 from .kernels import launch
 
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
@@ -144,7 +145,7 @@ class KernelLauncher:
             VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
             STEPS = bucket.steps_table(device)
             beta1, beta2 = (float(b) for b in group["betas"])
-            decoupled = group.get("decoupled_weight_decay", isinstance(engine.inner, torch.optim.AdamW))
+            decoupled = decoupled_decay(engine.inner, group)
             torch_fused = bool(plan.get("torch_fused"))
             if torch_fused:
                 CORR = torch_fused_corrections(bucket, lr, beta1, beta2, device)
@@ -231,7 +232,7 @@ def torch_fused_corrections(bucket, lr, beta1: float, beta2: float, device) -> t
     ``sqrt(1 - beta2**step)`` in float32, from each parameter's step count on the device. torch's own
     ``pow`` on the device is used because its float32 results differ from Triton's libdevice ``powf``
     in the last bit for some steps; a handful of small launches, no host synchronisation."""
-    steps = torch.stack([st["step"] for st in bucket.states]).add_(1.0)  # the count torch's kernel reads
+    steps = torch.stack(bucket.step_tensors()).add_(1.0)  # the count torch's kernel reads
     key = (str(device), beta1, beta2)
     betas = _BETAS.get(key)
     if betas is None:

@@ -17,6 +17,11 @@ def group_signature(group: dict) -> tuple:
             group.get("nesterov"), isinstance(group.get("lr"), torch.Tensor))
 
 
+def decoupled_decay(inner: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether the group's weight decay is decoupled (AdamW, or Adam with ``decoupled_weight_decay``)."""
+    return bool(group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW)))
+
+
 def unhooked_step(optimizer: torch.optim.Optimizer):
     """The optimizer's ``step`` without torch's hook wrapper (our own step fires the hooks once)."""
     fn = type(optimizer).step
