@@ -1,10 +1,14 @@
 """A bucket: the parameters of one kernel launch (same group, codecs, dtype, layout) and their tables."""
 from __future__ import annotations
 
+from operator import attrgetter, methodcaller
+
 import torch
 
 from .codecs import EncodedTensor
-from .dtensor import local
+from .dtensor import is_dtensor, local
+
+_DATA_PTR, _GRAD = methodcaller("data_ptr"), attrgetter("grad")
 from .kernels import launch
 
 
@@ -37,11 +41,24 @@ class Bucket:
 
     def param_pointers(self):
         """Addresses of the items' parameter rows (read each launch: ``p.data`` may be replaced)."""
+        if self.whole:
+            return list(map(_DATA_PTR, self.params))
         return [p.data_ptr() + off for p, off in zip(self.params, self.offsets)]
 
     def grad_pointers(self):
         """Addresses of the items' current gradient rows (new tensors every step, maybe)."""
+        if self.whole:
+            return list(map(_DATA_PTR, map(_GRAD, self.keys)))
         return [local(k.grad).data_ptr() + off for k, off in zip(self.keys, self.offsets)]
+
+    @property
+    def whole(self) -> bool:
+        """Every item is a whole plain tensor (no row pieces, no DTensor shards): pointers come
+        straight from the parameters and gradients (the per-step path of most launches)."""
+        whole = self.__dict__.get("_whole")
+        if whole is None:
+            whole = self._whole = not any(self.offsets) and not any(map(is_dtensor, self.keys))
+        return whole
 
     def param_index(self, device):
         """For a piece bucket: each piece's parameter index in the parent bucket (device table)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, is_, is_not, methodcaller
 from typing import Dict, Optional
 
@@ -229,10 +229,10 @@ class Engine:
         return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
 
     def _state_identity(self, params):
-        """The cached plan's parameters, their state dicts, the ids of those dicts' values, their
-        shapes and dtypes (every gradient must have them too)."""
+        """The cached plan's parameters, their state dicts, those dicts' values (all of them, in
+        order), their shapes and dtypes (every gradient must have them too)."""
         states = [self.state.get(p) for p in params]
-        return (params, states, [tuple(map(id, st.values())) for st in states], list(map(_SHAPE, params)),
+        return (params, states, tuple(chain.from_iterable(map(dict.values, states))), list(map(_SHAPE, params)),
                 list(map(_DTYPE, params)))
 
     def _cached_plan(self, signature):
@@ -241,9 +241,10 @@ class Engine:
         cache = self.__dict__.get("_plan_cache")
         if cache is None or cache[0] != signature:
             return None
-        _, buckets, items, (params, states, ids, shapes, dtypes), on_device, cpu_plans = cache
-        if not all(map(is_, map(self.state.get, params), states)) or \
-                [tuple(map(id, st.values())) for st in states] != ids or list(map(_SHAPE, params)) != shapes:
+        _, buckets, items, (params, states, values, shapes, dtypes), on_device, cpu_plans = cache
+        now = tuple(chain.from_iterable(map(dict.values, states)))  # every state value: the very same objects
+        if not all(map(is_, map(self.state.get, params), states)) or len(now) != len(values) or \
+                not all(map(is_, now, values)) or list(map(_SHAPE, params)) != shapes:
             return None
         grads = list(map(_GRAD, params))
         if list(map(_SHAPE, grads)) != shapes or list(map(_DTYPE, grads)) != dtypes or \
@@ -302,8 +303,8 @@ class Engine:
 
     def nonfinite_skipped(self) -> int:
         """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""
-        device = self.kernels.nonfinite_device
-        total = self.nonfinite_host + (int(device.item()) if device is not None else 0)
+        device = self.kernels.skipped_count()
+        total = self.nonfinite_host + (device or 0)
         if device is not None and total > self._nonfinite_reported:
             log.warning("optstate: %d parameter updates skipped for non-finite gradients so far",
                         total)
@@ -313,7 +314,7 @@ class Engine:
     def restore_nonfinite_count(self, count: int) -> None:
         """Set the NaN/inf skip count (from a checkpoint); the device counter starts again."""
         self.nonfinite_host = count
-        self.kernels.nonfinite_device = None
+        self.kernels.reset_skipped()
 
     def conform(self, params=None) -> None:
         """Re-store state in the form the policy wants now (see :class:`Conformer`)."""

@@ -187,7 +187,8 @@ class FusedPath:
             for w in ws:
                 self.engine.state[w.key] = w.state
             buckets.append(Bucket(ws, storages, plan))
-        return buckets
+        # the largest launch first: the device starts on the bulk of the step while the host queues the rest
+        return sorted(buckets, key=lambda b: -sum(p.numel() for p in b.params))
 
     def _allocate_missing(self, ws, plan) -> None:
         """First step: one allocation per state key for the whole bucket (pinned host memory

@@ -1,8 +1,8 @@
-"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf flags, step counters.
+"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf skip counts, step counters.
 
 One launch covers every parameter of a bucket. A 256-element block whose gradient holds a NaN/inf
-is skipped inside the update kernel (README: NaN/inf gradients) and its parameter's flag raised,
-so a fused step never synchronises with the host and needs no collective.
+is skipped inside the update kernel (README: NaN/inf gradients) and its parameter counted in a
+device table, so a fused step never synchronises with the host and needs no collective.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class KernelLauncher:
     def __init__(self, engine, stochastic_param_rounding: bool):
         self.engine = engine
         self.stochastic_param_rounding = stochastic_param_rounding
-        self.nonfinite_device: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
+        self._skips: Dict[torch.device, torch.Tensor] = {}  # device -> skip table (skip_table)
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
 
@@ -63,6 +63,8 @@ class KernelLauncher:
         if entry[1] != host:
             entry[0].fill_(host)
             entry[1] = host
+            if device in self._skips:  # the count may have gone back (a loaded checkpoint): slots count anew
+                self._skips[device][1:].zero_()
         return entry[0]
 
     def end_step(self) -> None:
@@ -72,33 +74,45 @@ class KernelLauncher:
                 entry[0].add_(1)
                 entry[1] += 1
 
-    def new_flags(self, bucket):
-        """Zeroed per-parameter flags that the kernels raise for a parameter with a block skipped
-        for a non-finite gradient (None when unchecked). No pre-pass, no host synchronisation, no
-        collective: each rank decides for the blocks it holds (README: NaN/inf gradients)."""
-        if not self.engine.skip_nonfinite:
-            return None
-        return torch.zeros(len(bucket.params), dtype=torch.int32, device=bucket.params[0].device)
+    def skip_table(self, device) -> torch.Tensor:
+        """The device table the kernels count NaN/inf skips in (no pre-pass, no host
+        synchronisation, no collective: each rank decides for the blocks it holds; README: NaN/inf
+        gradients): ``[0]`` parameters skipped so far, ``[1 + i]`` the last step (plus one) that
+        counted parameter ``i`` (each parameter counts once per step, however many of its blocks,
+        programs or streamed pieces skip). Grows with the parameter list."""
+        size = 1 + sum(len(g["params"]) for g in self.engine.inner.param_groups)
+        table = self._skips.get(device)
+        if table is None or table.numel() < size:
+            grown = torch.zeros(size, dtype=torch.int64, device=device)
+            if table is not None:
+                grown[:table.numel()].copy_(table)
+            table = self._skips[device] = grown
+        return table
 
-    def count_skipped(self, flags) -> None:
-        """Add a launch's raised flags to the device counter (read when metrics are asked for)."""
-        if flags is None:
-            return
-        total = flags.sum()
-        self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
+    def skipped_count(self) -> Optional[int]:
+        """Parameters skipped so far on the devices (reads them; None: nothing counted there yet)."""
+        return sum(int(t[0].item()) for t in self._skips.values()) if self._skips else None
+
+    def add_skipped(self, count: torch.Tensor) -> None:
+        """Add skips counted elsewhere on the device (torch's own step, passthrough_skip)."""
+        self.skip_table(count.device)[:1].add_(count)
+
+    def reset_skipped(self) -> None:
+        """Forget the device counts (the checkpoint's count lives on the host)."""
+        for table in self._skips.values():
+            table.zero_()
 
     def advance_steps(self, bucket) -> None:
-        """Advance the bucket's per-parameter step counters on the device (blocks skipped for a
-        non-finite gradient do not hold a parameter's step back)."""
+        """Advance the bucket's per-parameter step counters on the device after its streamed
+        pieces (blocks skipped for a non-finite gradient do not hold a parameter's step back)."""
         from .kernels.adam import advance_steps_kernel
 
         if bucket.plan["kind"] == "adam":
             advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device))
 
-    def launch(self, bucket, flags=None, advance: bool = True) -> None:
-        """One launch of the update kernel over a bucket. ``flags``: the parent bucket's
-        per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
-        launch has and counts its own."""
+    def launch(self, bucket, advance: bool = True) -> None:
+        """One launch of the update kernel over a bucket (``advance``: its step counts too; streamed
+        pieces leave that to :meth:`advance_steps` after the last piece)."""
         from .kernels.adam import adam_kernel, bias_corrections_kernel
         from .kernels.sgd import sgd_kernel
 
@@ -114,24 +128,22 @@ class KernelLauncher:
         memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
             # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in
-            # the step); each item's first element; whether offsets fit 32 bits
+            # the step); each item's first element; whether offsets fit 32 bits; skip-table slots
             memo[memo_key] = (launch.work_tables(bucket.shapes, nblk * iters, device),
                               launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device),
                               launch.cached_table(bucket.bases, device),
-                              all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)))
-        (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32 = memo[memo_key]
+                              all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)),
+                              launch.cached_table([1 + i for i in bucket.indices], device))
+        (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32, SLOTS = memo[memo_key]
         P = launch.cached_table(bucket.param_pointers(), device)
         G = launch.cached_table(bucket.grad_pointers(), device)
         STEP = self.step_count(device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
-        parent_flags = flags
-        flags = self.new_flags(bucket) if check else None
-        if flags is None:
-            flags = _dummy_flags(device)
+        SKIPS = self.skip_table(device) if check else SLOTS
         p_kind = P_KINDS[params[0].dtype]
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
-        lr_ptr = lr if lr_tensor else flags
+        lr_ptr = lr if lr_tensor else SLOTS
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
         M, MS = bucket.tables(0, device)
@@ -143,19 +155,13 @@ class KernelLauncher:
             V, VS = bucket.tables(1, device)
             amsgrad = len(plan["keys"]) == 3
             VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
-            STEPS = bucket.steps_table(device)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = decoupled_decay(engine.inner, group)
             torch_fused = bool(plan.get("torch_fused"))
-            if torch_fused:
-                CORR = torch_fused_corrections(bucket, lr, beta1, beta2, device)
-            else:
-                CORR = torch.empty(3 * n, dtype=torch.float32, device=device)  # per-tensor bias corrections
-                bias_corrections_kernel[(n,)](STEPS, CORR, lr_ptr, lr_val, math.log(beta1) if beta1 > 0 else -1e30,
-                                              math.log(beta2) if beta2 > 0 else -1e30, LR_TENSOR=lr_tensor)
+            CORR = self._bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
-                lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
+                P, G, M, MS, V, VS, VM, VMS, CORR, SKIPS, SLOTS, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
+                tpow2, lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), *self._tables(v_codec, device),
                 M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
@@ -166,22 +172,38 @@ class KernelLauncher:
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
                 **self._master(bucket, device), **common)
-            if advance:
-                self.advance_steps(bucket)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, M, MS, SKIPS, SLOTS, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
                 NESTEROV=bool(group["nesterov"]), **common)
-        if check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
-            parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
-        elif check:
-            self.count_skipped(flags)
         bucket.first = False if advance else bucket.first
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1
+
+    @staticmethod
+    def _bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance) -> torch.Tensor:
+        """The Adam kernel's CORR table for the coming step (and the step counts advanced, with
+        ``advance``), from the per-parameter step counts on the device: per tensor the step size
+        and square-rooted second correction (``bias_corrections_kernel``), or for torch's fused
+        arithmetic ``[beta1**step, beta2**step]`` by torch's own device ``pow``, whose float32
+        results differ from Triton's libdevice ``powf`` in the last bit for some steps."""
+        from .kernels.adam import bias_corrections_kernel
+
+        device, n = bucket.params[0].device, len(bucket.params)
+        out = torch.empty(n if torch_fused else 3 * n, dtype=torch.float32, device=device)
+        bias_corrections_kernel[(n,)](bucket.steps_table(device), out, lr_ptr, lr_val,
+                                      math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30,
+                                      LR_TENSOR=lr_tensor, ADVANCE=advance, STEP_ONLY=torch_fused)
+        if not torch_fused:
+            return out
+        key = (str(device), beta1, beta2)
+        betas = _BETAS.get(key)
+        if betas is None:
+            betas = _BETAS[key] = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=device)
+        return torch.pow(betas, out)  # [2, n]
 
     @staticmethod
     def _master(bucket, device) -> dict:
@@ -226,33 +248,8 @@ class KernelLauncher:
         return dummy, dummy, dummy
 
 
-def torch_fused_corrections(bucket, lr, beta1: float, beta2: float, device) -> torch.Tensor:
-    """The bias corrections of the coming step as torch's fused Adam/AdamW computes them, for the
-    kernel's TORCH_FUSED arithmetic: ``CORR[3 t]`` = ``lr / (1 - beta1**step)`` and ``CORR[3 t + 2]`` =
-    ``sqrt(1 - beta2**step)`` in float32, from each parameter's step count on the device. torch's own
-    ``pow`` on the device is used because its float32 results differ from Triton's libdevice ``powf``
-    in the last bit for some steps; a handful of small launches, no host synchronisation."""
-    steps = torch.stack(bucket.step_tensors()).add_(1.0)  # the count torch's kernel reads
-    key = (str(device), beta1, beta2)
-    betas = _BETAS.get(key)
-    if betas is None:
-        betas = _BETAS[key] = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=device)
-    corr = torch.pow(betas, steps[None, :]).neg_().add_(1.0)  # float32 [2, n]: 1 - beta**step
-    if not isinstance(lr, torch.Tensor):
-        lr = torch.full((), lr, dtype=torch.float32, device=device)
-    step_size = torch.div(lr, corr[0])
-    return torch.stack([step_size, step_size, corr[1].sqrt_()], 1).reshape(-1)
-
-
 _BETAS: Dict[tuple, torch.Tensor] = {}
 _DUMMIES: Dict[str, torch.Tensor] = {}
-
-
-def _dummy_flags(device) -> torch.Tensor:
-    key = f"flags:{device}"
-    if key not in _DUMMIES:
-        _DUMMIES[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _DUMMIES[key]
 
 
 def _dummy(device) -> torch.Tensor:

@@ -5,8 +5,8 @@ One launch covers many tensors (pointer tables, see ``launch.py``); each program
 per-program work, table reads and bias corrections, is shared by ``ITERS`` tiles). The update follows ``torch.optim.Adam``'s
 single-tensor arithmetic (maximize, L2 or decoupled weight decay, lerp for the first moment,
 amsgrad) with bias corrections computed from the per-parameter ``step`` tensor on the device
-(``bias_corrections_kernel``, one program per tensor, just before), so no host synchronisation or
-host-side step value is needed (the step is CUDA-graph friendly).
+(``bias_corrections_kernel``, one program per tensor, just before; it also advances the step),
+so no host synchronisation or host-side step value is needed (the step is CUDA-graph friendly).
 With ``TORCH_FUSED`` (fp32 state of a ``fused=True`` optimizer) it follows torch's fused CUDA
 kernel instead, bit for bit (``torch_fused_moments``; bias corrections from the launch).
 The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` -> encode);
@@ -205,35 +205,45 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 
 @triton.jit
-def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr, FIRST: tl.constexpr):
+def block_skip(g, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t, CHECK_FINITE: tl.constexpr, FIRST: tl.constexpr):
     """Per-block NaN/inf verdict of a [2, NBLK, 128] gradient tile and the store masks it implies:
     (row_ok [NBLK], element mask, packed-byte mask, int8 scale offsets (-1: skip), int4 scale mask).
 
     A 256-element block with a non-finite gradient value (or |g| >= 2**64) is not written;
     on a first step its state is still written (as zeros, the state it would have been created
-    with), so only the parameter store is masked then. ``FLAGS[t]`` is raised for the count."""
+    with), so only the parameter store is masked then. The skip is counted (``count_skip``)."""
     if CHECK_FINITE:
         # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32), compared as bits of |g| (inf and
         # NaN lie above it), so the per-block test is an integer maximum
         gmax = tl.max(tl.max(g.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=0)
-        out = skip_masks(gmax < 0x5F800000, mask, pmask, s8, s4mask, FLAGS, t, FIRST)
+        out = skip_masks(gmax < 0x5F800000, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t, FIRST)
     else:
         out = tl.full(s8.shape, 1, tl.int1), mask, pmask, s8, s4mask
     return out
 
 
 @triton.jit
-def skip_masks(row_ok, mask, pmask, s8, s4mask, FLAGS, t, FIRST: tl.constexpr):
-    """``block_skip``'s outputs for a given per-block verdict ``row_ok`` [NBLK]; raises ``FLAGS[t]``."""
-    bad = (row_ok == 0).to(tl.int32)
-    # every writer stores the same 1: a plain store (an atomic would fence the whole program)
-    tl.store(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)
+def skip_masks(row_ok, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t, FIRST: tl.constexpr):
+    """``block_skip``'s outputs for a given per-block verdict ``row_ok`` [NBLK]; counts the skip."""
+    if tl.min(row_ok.to(tl.int32), axis=0) == 0:  # rare: a scalar branch, no atomics otherwise
+        count_skip(SKIPS, SLOTS, STEP, t)
     if FIRST:
         out = row_ok, mask, pmask, s8, s4mask
     else:
         out = (row_ok, mask & per_block(row_ok), pmask & per_block(row_ok), tl.where(row_ok, s8, -1),
                s4mask & row_ok[None, :])
     return out
+
+
+@triton.jit
+def count_skip(SKIPS, SLOTS, STEP, t):
+    """Count the parameter of item ``t`` once per step for a skipped block, in the engine's skip
+    table (``KernelLauncher.skip_table``): ``SKIPS[0]`` the count, ``SKIPS[SLOTS[t]]`` the last step
+    (plus one) that counted this parameter. Every program (and every streamed piece) of the
+    parameter raises its slot to the same value; only the one that raised it adds one."""
+    now = tl.load(STEP) + 1
+    if tl.atomic_max(SKIPS + tl.load(SLOTS + t), now, sem="relaxed") < now:
+        tl.atomic_add(SKIPS, 1, sem="relaxed")
 
 
 @triton.jit
@@ -256,7 +266,7 @@ def torch_fused_moments(m, v, g, beta1, beta2):
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, SKIPS, SLOTS, SEEDS, STEP, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
@@ -275,9 +285,14 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
     g_ptr = param_pointer(tl.load(G + t), P_KIND)
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
-    step_size = tl.load(CORR + 3 * t)  # bias corrections of this tensor (bias_corrections_kernel)
-    inv_bc2_sqrt = tl.load(CORR + 3 * t + 1)
-    bc2_sqrt = tl.load(CORR + 3 * t + 2)
+    if TORCH_FUSED:  # CORR: [2, N_TENSORS] beta1**step, beta2**step from torch's own pow (see the launch)
+        step_size = tl.math.div_rn(lr, 1.0 - tl.load(CORR + t))
+        bc2_sqrt = tl.sqrt_rn(1.0 - tl.load(CORR + N_TENSORS + t))
+        inv_bc2_sqrt = bc2_sqrt  # unused
+    else:
+        step_size = tl.load(CORR + 3 * t)  # bias corrections of this tensor (bias_corrections_kernel)
+        inv_bc2_sqrt = tl.load(CORR + 3 * t + 1)
+        bc2_sqrt = tl.load(CORR + 3 * t + 2)
     m_addr = tl.load(M + t)
     ms_addr = tl.load(MS + t)
     v_addr = tl.load(V + t)
@@ -348,10 +363,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
         if FOLD:
             v_max = int8_block_max_bits(v, mask, True, ALIGNED)
             row_ok, p_mask, pmask_w, s8_w, s4mask_w = skip_masks(v_max < 0x7F800000, mask, pmask, s8, s4mask,
-                                                                 FLAGS, t, FIRST)
+                                                                 SKIPS, SLOTS, STEP, t, FIRST)
         else:
             v_max = 0
-            row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
+            row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t,
                                                                  CHECK_FINITE, FIRST)
         if CHECK_FINITE and FIRST:  # a skipped block keeps the initial (zero) state
             m = tl.where(per_block(row_ok), m, 0.0)
@@ -379,26 +394,36 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
 
 
 @triton.jit
-def bias_corrections_kernel(STEPS, CORR, lr_ptr, lr, ln_beta1, ln_beta2, LR_TENSOR: tl.constexpr):
+def bias_corrections_kernel(STEPS, CORR, lr_ptr, lr, ln_beta1, ln_beta2, LR_TENSOR: tl.constexpr,
+                            ADVANCE: tl.constexpr = False, STEP_ONLY: tl.constexpr = False):
     """Per tensor of a launch (one program each), from its step count on the device (no host
     synchronisation): ``CORR[3 t .. 3 t + 2]`` = the step size ``lr / (1 - beta1**step)``,
     ``1 / sqrt(1 - beta2**step)`` and ``sqrt(1 - beta2**step)`` of the coming step, read by
-    ``adam_kernel`` (once per tensor here instead of in every one of its programs)."""
+    ``adam_kernel`` (once per tensor here instead of in every one of its programs). STEP_ONLY:
+    ``CORR[t]`` = the coming step itself (torch's own pow takes it from there, TORCH_FUSED).
+    ADVANCE: ``state['step'] += 1`` as well (the update kernel never reads it; blocks skipped for a
+    non-finite gradient do not hold the step back: the tensor as a whole took it)."""
     t = tl.program_id(0)
-    if LR_TENSOR:
-        lr = tl.load(lr_ptr)
-    step = tl.load(tl.load(STEPS + t).to(tl.pointer_type(tl.float32))) + 1.0
-    bc1 = one_minus_pow(step, ln_beta1)
-    bc2_sqrt = tl.sqrt_rn(one_minus_pow(step, ln_beta2))
-    tl.store(CORR + 3 * t, tl.math.div_rn(lr, bc1))
-    tl.store(CORR + 3 * t + 1, 1.0 / bc2_sqrt)
-    tl.store(CORR + 3 * t + 2, bc2_sqrt)
+    ptr = tl.load(STEPS + t).to(tl.pointer_type(tl.float32))
+    step = tl.load(ptr) + 1.0
+    if ADVANCE:
+        tl.store(ptr, step)
+    if STEP_ONLY:
+        tl.store(CORR + t, step)
+    else:
+        if LR_TENSOR:
+            lr = tl.load(lr_ptr)
+        bc1 = one_minus_pow(step, ln_beta1)
+        bc2_sqrt = tl.sqrt_rn(one_minus_pow(step, ln_beta2))
+        tl.store(CORR + 3 * t, tl.math.div_rn(lr, bc1))
+        tl.store(CORR + 3 * t + 1, 1.0 / bc2_sqrt)
+        tl.store(CORR + 3 * t + 2, bc2_sqrt)
 
 
 @triton.jit
 def advance_steps_kernel(STEPS):
-    """state['step'] += 1 for every tensor of the launch (blocks skipped for a non-finite
-    gradient do not hold the step back: the tensor as a whole took it)."""
+    """state['step'] += 1 for every tensor of the launch, after all its streamed pieces (blocks
+    skipped for a non-finite gradient do not hold the step back: the tensor as a whole took it)."""
     t = tl.program_id(0)
     ptr = tl.load(STEPS + t).to(tl.pointer_type(tl.float32))
     tl.store(ptr, tl.load(ptr) + 1.0)

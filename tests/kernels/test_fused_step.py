@@ -254,6 +254,20 @@ def test_nonfinite_skip_of_streamed_state_matches_resident():
     assert streamed.memory_report()["nonfinite_skipped"] == 3
 
 
+def test_nonfinite_skips_count_each_parameter_once_per_step():
+    """A parameter with skipped blocks counts once per step, however many of its blocks skip,
+    even when its rows stream in separate pieces (rows 3 and 10 of the first parameter do here)."""
+    _, qs, _, opt, _, _, _ = _skip_pair(False, offload=True, staging_bytes="8KB")
+    assert opt.last_step_timings["kernel_launches"] > len(qs)  # pieces: more launches than parameters
+    assert opt.memory_report()["nonfinite_skipped"] == 3
+    opt.step()  # the same gradients again: three more
+    assert opt.memory_report()["nonfinite_skipped"] == 6
+    set_grads(qs, 2)
+    opt.step()  # finite gradients: none
+    assert opt.memory_report()["nonfinite_skipped"] == 6
+    assert all(torch.isfinite(q).all() for q in qs)
+
+
 def test_sgd_nonfinite_gradient_skips_its_block():
     ps, qs = params(), params()
     pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", min_int8_elements=0)  # noqa: E731
