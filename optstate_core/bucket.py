@@ -7,9 +7,9 @@ import torch
 
 from .codecs import EncodedTensor
 from .dtensor import is_dtensor, local
+from .kernels import launch
 
 _DATA_PTR, _GRAD = methodcaller("data_ptr"), attrgetter("grad")
-from .kernels import launch
 
 
 def aligned_layout(p: torch.Tensor) -> bool:
@@ -153,12 +153,6 @@ class Bucket:
             return (launch.pointer_table([v.payload[name] for v in values], device),
                     launch.pointer_table([v.payload.get("scales") for v in values], device))
         return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
-
-    def step_tensors(self):
-        """The parameters' ``step`` tensors (held as the bucket was built, like its tables)."""
-        if "step_tensors" not in self._tables:
-            self._tables["step_tensors"] = [st["step"] for st in self.states]
-        return self._tables["step_tensors"]
 
     def steps_table(self, device):
         if "steps" not in self._tables:

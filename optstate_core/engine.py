@@ -303,8 +303,8 @@ class Engine:
 
     def nonfinite_skipped(self) -> int:
         """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""
-        device = self.kernels.skipped_count()
-        total = self.nonfinite_host + (device or 0)
+        device = self.kernels.nonfinite_device
+        total = self.nonfinite_host + (int(device.item()) if device is not None else 0)
         if device is not None and total > self._nonfinite_reported:
             log.warning("optstate: %d parameter updates skipped for non-finite gradients so far",
                         total)
@@ -314,7 +314,7 @@ class Engine:
     def restore_nonfinite_count(self, count: int) -> None:
         """Set the NaN/inf skip count (from a checkpoint); the device counter starts again."""
         self.nonfinite_host = count
-        self.kernels.reset_skipped()
+        self.kernels.nonfinite_device = None
 
     def conform(self, params=None) -> None:
         """Re-store state in the form the policy wants now (see :class:`Conformer`)."""

@@ -1,8 +1,8 @@
-"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf skip counts, step counters.
+"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf flags, step counters.
 
 One launch covers every parameter of a bucket. A 256-element block whose gradient holds a NaN/inf
-is skipped inside the update kernel (README: NaN/inf gradients) and its parameter counted in a
-device table, so a fused step never synchronises with the host and needs no collective.
+is skipped inside the update kernel (README: NaN/inf gradients) and its parameter's flag raised,
+so a fused step never synchronises with the host and needs no collective.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class KernelLauncher:
     def __init__(self, engine, stochastic_param_rounding: bool):
         self.engine = engine
         self.stochastic_param_rounding = stochastic_param_rounding
-        self._skips: Dict[torch.device, torch.Tensor] = {}  # device -> skip table (skip_table)
+        self.nonfinite_device: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
 
@@ -63,8 +63,6 @@ class KernelLauncher:
         if entry[1] != host:
             entry[0].fill_(host)
             entry[1] = host
-            if device in self._skips:  # the count may have gone back (a loaded checkpoint): slots count anew
-                self._skips[device][1:].zero_()
         return entry[0]
 
     def end_step(self) -> None:
@@ -74,33 +72,20 @@ class KernelLauncher:
                 entry[0].add_(1)
                 entry[1] += 1
 
-    def skip_table(self, device) -> torch.Tensor:
-        """The device table the kernels count NaN/inf skips in (no pre-pass, no host
-        synchronisation, no collective: each rank decides for the blocks it holds; README: NaN/inf
-        gradients): ``[0]`` parameters skipped so far, ``[1 + i]`` the last step (plus one) that
-        counted parameter ``i`` (each parameter counts once per step, however many of its blocks,
-        programs or streamed pieces skip). Grows with the parameter list."""
-        size = 1 + sum(len(g["params"]) for g in self.engine.inner.param_groups)
-        table = self._skips.get(device)
-        if table is None or table.numel() < size:
-            grown = torch.zeros(size, dtype=torch.int64, device=device)
-            if table is not None:
-                grown[:table.numel()].copy_(table)
-            table = self._skips[device] = grown
-        return table
+    def new_flags(self, bucket):
+        """Zeroed per-parameter flags that the kernels raise for a parameter with a block skipped
+        for a non-finite gradient (None when unchecked). No pre-pass, no host synchronisation, no
+        collective: each rank decides for the blocks it holds (README: NaN/inf gradients)."""
+        if not self.engine.skip_nonfinite:
+            return None
+        return torch.zeros(len(bucket.params), dtype=torch.int32, device=bucket.params[0].device)
 
-    def skipped_count(self) -> Optional[int]:
-        """Parameters skipped so far on the devices (reads them; None: nothing counted there yet)."""
-        return sum(int(t[0].item()) for t in self._skips.values()) if self._skips else None
-
-    def add_skipped(self, count: torch.Tensor) -> None:
-        """Add skips counted elsewhere on the device (torch's own step, passthrough_skip)."""
-        self.skip_table(count.device)[:1].add_(count)
-
-    def reset_skipped(self) -> None:
-        """Forget the device counts (the checkpoint's count lives on the host)."""
-        for table in self._skips.values():
-            table.zero_()
+    def count_skipped(self, flags) -> None:
+        """Add a launch's raised flags to the device counter (read when metrics are asked for)."""
+        if flags is None:
+            return
+        total = flags.sum()
+        self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
 
     def advance_steps(self, bucket) -> None:
         """Advance the bucket's per-parameter step counters on the device after its streamed
@@ -110,9 +95,11 @@ class KernelLauncher:
         if bucket.plan["kind"] == "adam":
             advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device))
 
-    def launch(self, bucket, advance: bool = True) -> None:
-        """One launch of the update kernel over a bucket (``advance``: its step counts too; streamed
-        pieces leave that to :meth:`advance_steps` after the last piece)."""
+    def launch(self, bucket, flags=None, advance: bool = True) -> None:
+        """One launch of the update kernel over a bucket. ``flags``: the parent bucket's
+        per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
+        launch has and counts its own. ``advance``: the step counts too (streamed pieces leave
+        that to :meth:`advance_steps` after the last piece)."""
         from .kernels.adam import adam_kernel, bias_corrections_kernel
         from .kernels.sgd import sgd_kernel
 
@@ -128,22 +115,24 @@ class KernelLauncher:
         memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
             # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in
-            # the step); each item's first element; whether offsets fit 32 bits; skip-table slots
+            # the step); each item's first element; whether offsets fit 32 bits
             memo[memo_key] = (launch.work_tables(bucket.shapes, nblk * iters, device),
                               launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device),
                               launch.cached_table(bucket.bases, device),
-                              all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)),
-                              launch.cached_table([1 + i for i in bucket.indices], device))
-        (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32, SLOTS = memo[memo_key]
+                              all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)))
+        (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32 = memo[memo_key]
         P = launch.cached_table(bucket.param_pointers(), device)
         G = launch.cached_table(bucket.grad_pointers(), device)
         STEP = self.step_count(device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
-        SKIPS = self.skip_table(device) if check else SLOTS
+        parent_flags = flags
+        flags = self.new_flags(bucket) if check else None
+        if flags is None:
+            flags = _dummy_flags(device)
         p_kind = P_KINDS[params[0].dtype]
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
-        lr_ptr = lr if lr_tensor else SLOTS
+        lr_ptr = lr if lr_tensor else flags
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
         M, MS = bucket.tables(0, device)
@@ -160,7 +149,7 @@ class KernelLauncher:
             torch_fused = bool(plan.get("torch_fused"))
             CORR = self._bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, CORR, SKIPS, SLOTS, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
+                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
                 tpow2, lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), *self._tables(v_codec, device),
@@ -174,11 +163,15 @@ class KernelLauncher:
                 **self._master(bucket, device), **common)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, SKIPS, SLOTS, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
                 NESTEROV=bool(group["nesterov"]), **common)
+        if check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
+            parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
+        elif check:
+            self.count_skipped(flags)
         bucket.first = False if advance else bucket.first
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1
@@ -250,6 +243,13 @@ class KernelLauncher:
 
 _BETAS: Dict[tuple, torch.Tensor] = {}
 _DUMMIES: Dict[str, torch.Tensor] = {}
+
+
+def _dummy_flags(device) -> torch.Tensor:
+    key = f"flags:{device}"
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _DUMMIES[key]
 
 
 def _dummy(device) -> torch.Tensor:

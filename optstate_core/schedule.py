@@ -210,34 +210,36 @@ class StepSchedule:
         # duplex), also across the per-parameter runs of gradient release.
         work = []
         for b in streamed:
+            flags = kernels.new_flags(b)
             pre = [i for i in range(len(b.keys)) if self._staged_for(b, i)] \
                 if self.area.entries else []  # nothing staged (prefetch off): no per-parameter lookups
-            work.append((b, pre))
-        if any(pre for _, pre in work):  # backward's uploads, all on one stream: one event covers them
+            work.append((b, flags, pre))
+        if any(pre for _, _, pre in work):  # backward's uploads, all on one stream: one event covers them
             uploaded = streams.event(streams.h2d)
             self.area.mark("upload_end", lambda: uploaded)
             streams.wait(None, uploaded)
-        for b, pre in work:
+        for b, flags, pre in work:
             if pre:
-                self._launch_prefetched(b, pre)
-        for b, pre in work:
+                self._launch_prefetched(b, flags, pre)
+        for b, flags, pre in work:
             done = set(pre)
             rest = [i for i in range(len(b.params)) if i not in done] if done else list(range(len(b.params)))
             for chunk in ring_chunks(b, rest, ring.size // 2):
-                self._stream_chunk(b, chunk)
+                self._stream_chunk(b, flags, chunk)
             kernels.advance_steps(b)
+            kernels.count_skipped(flags)
             b.first = False
             self.engine.metrics.fused_params += len(b.params)
         ring.head = 0  # the same offsets every step: chunk plans and pointer tables stay cached
 
-    def _launch_prefetched(self, bucket, indices) -> None:
+    def _launch_prefetched(self, bucket, flags, indices) -> None:
         """Update the parameters whose state backward staged (one launch, pointers = their slab's
         address + cached offsets), then queue their write-back (one copy call: a slab taken whole
         writes back its merged ranges, a partly taken one its parameters' own)."""
         device = bucket.params[0].device
         streams = self.streams(device)
         taken = [self.area.take(id(bucket.keys[i])) for i in indices]
-        self.engine.kernels.launch(staged_launch(bucket, indices, taken), advance=False)
+        self.engine.kernels.launch(staged_launch(bucket, indices, taken), flags=flags, advance=False)
         slabs: Dict[int, list] = {}
         for entry in taken:
             slabs.setdefault(id(entry.slab), [entry.slab, []])[1].append(entry.piece)
@@ -252,7 +254,7 @@ class StepSchedule:
             for slab, _ in slabs.values():
                 slab.buffer.record_stream(streams.d2h)
 
-    def _stream_chunk(self, bucket, chunk) -> None:
+    def _stream_chunk(self, bucket, flags, chunk) -> None:
         """One ring chunk (:class:`~optstate_core.stage_plan.ChunkPlan`): upload, update, write-back."""
         device = bucket.params[0].device
         ring, streams, transfers = self.ring(device), self.streams(device), self.engine.transfers
@@ -268,7 +270,7 @@ class StepSchedule:
                     staged.copy_(host, non_blocking=True)
             transfers.h2d_bytes += moved
         streams.wait(None, streams.event(streams.h2d))
-        self.engine.kernels.launch(chunk.launch_bucket(bucket), advance=False)
+        self.engine.kernels.launch(chunk.launch_bucket(bucket), flags=flags, advance=False)
         ring.release(start, self._write_back(streams, [h for h, _ in chunk.pairs], [s for _, s in chunk.pairs],
                                              chunk.moved))
 

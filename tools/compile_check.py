@@ -46,8 +46,7 @@ def sig(fn, types):
 adam_scalars = {"STEP": "*i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32",
                 "one_minus_beta1": "fp32", "one_minus_beta2": "fp32",
                 "eps": "fp32", "weight_decay": "fp32", "lr_ptr": "*fp32", "CORR": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32",
-                "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32",
-                "SKIPS": "*i64", "SLOTS": "*i64",
+                "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32",
                 "PROG_START": "*i32", "N_TENSORS": "i32", "C": "i32"}
 n = 0
 kinds = [(2, 2), (3, 3), (1, 1), (2, 0), (3, 2)]
@@ -75,7 +74,7 @@ for lr_tensor in (False, True):
 for aligned in (True, False):
     s = sig(sgd_kernel, {"STEP": "*i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
-                         "SKIPS": "*i64", "SLOTS": "*i64", "PROG_START": "*i32", "N_TENSORS": "i32"})
+                         "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(TPOW2=256, P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
              CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned, M_POW=0)
     s.update({k: "constexpr" for k in c})

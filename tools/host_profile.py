@@ -3,8 +3,11 @@
     python tools/host_profile.py --presets 8bit,4bit,fp32 [--scale 1.0] [--steps 30] [--top 25] [--backward]
 
 With ``--backward`` every step's gradients come from an autograd backward (hooks run, as in
-training; as ``optstate bench --backward``). The device is held busy by a sleep kernel while the profiled steps are queued, as in a training
-loop whose host runs ahead, so launches never wait for a full queue.
+training; as ``optstate bench --backward``). The device is held busy by a sleep kernel while the
+profiled steps are queued, as in a training loop whose host runs ahead, so launches never wait
+for a full queue. To time another build: ``cd <its tree> && PYTHONPATH=. python tools/host_profile.py``
+(and likewise for ``python -m optstate_core bench``, which puts the working directory on
+``sys.path`` ahead of ``PYTHONPATH``).
 """
 import argparse
 import cProfile

@@ -26,8 +26,7 @@ from optstate_core.kernels.adam import adam_kernel  # noqa: E402
 SCALARS = {"STEP": "*i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32",
            "ln_beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "eps": "fp32",
            "weight_decay": "fp32", "lr_ptr": "*fp32", "CORR": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
-           "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "SKIPS": "*i64", "SLOTS": "*i64",
-           "PROG_START": "*i32",
+           "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32", "FLAGS": "*i32", "PROG_START": "*i32",
            "N_TENSORS": "i32", "C": "i32"}
 # the constexprs fused_launch.py passes for AdamW with fp32 parameters, aligned tensors, the
 # NaN/inf check and fast math on (the defaults), per preset

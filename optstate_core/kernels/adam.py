@@ -205,45 +205,35 @@ def _general_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK: tl.constexpr):
 
 
 @triton.jit
-def block_skip(g, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t, CHECK_FINITE: tl.constexpr, FIRST: tl.constexpr):
+def block_skip(g, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE: tl.constexpr, FIRST: tl.constexpr):
     """Per-block NaN/inf verdict of a [2, NBLK, 128] gradient tile and the store masks it implies:
     (row_ok [NBLK], element mask, packed-byte mask, int8 scale offsets (-1: skip), int4 scale mask).
 
     A 256-element block with a non-finite gradient value (or |g| >= 2**64) is not written;
     on a first step its state is still written (as zeros, the state it would have been created
-    with), so only the parameter store is masked then. The skip is counted (``count_skip``)."""
+    with), so only the parameter store is masked then. ``FLAGS[t]`` is raised for the count."""
     if CHECK_FINITE:
         # 2**64 = gradients.GRAD_OVERFLOW (its square overflows fp32), compared as bits of |g| (inf and
         # NaN lie above it), so the per-block test is an integer maximum
         gmax = tl.max(tl.max(g.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=0)
-        out = skip_masks(gmax < 0x5F800000, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t, FIRST)
+        out = skip_masks(gmax < 0x5F800000, mask, pmask, s8, s4mask, FLAGS, t, FIRST)
     else:
         out = tl.full(s8.shape, 1, tl.int1), mask, pmask, s8, s4mask
     return out
 
 
 @triton.jit
-def skip_masks(row_ok, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t, FIRST: tl.constexpr):
-    """``block_skip``'s outputs for a given per-block verdict ``row_ok`` [NBLK]; counts the skip."""
-    if tl.min(row_ok.to(tl.int32), axis=0) == 0:  # rare: a scalar branch, no atomics otherwise
-        count_skip(SKIPS, SLOTS, STEP, t)
+def skip_masks(row_ok, mask, pmask, s8, s4mask, FLAGS, t, FIRST: tl.constexpr):
+    """``block_skip``'s outputs for a given per-block verdict ``row_ok`` [NBLK]; raises ``FLAGS[t]``."""
+    bad = (row_ok == 0).to(tl.int32)
+    # every writer stores the same 1: a plain store (an atomic would fence the whole program)
+    tl.store(FLAGS + t + tl.zeros_like(bad), bad, mask=bad != 0)
     if FIRST:
         out = row_ok, mask, pmask, s8, s4mask
     else:
         out = (row_ok, mask & per_block(row_ok), pmask & per_block(row_ok), tl.where(row_ok, s8, -1),
                s4mask & row_ok[None, :])
     return out
-
-
-@triton.jit
-def count_skip(SKIPS, SLOTS, STEP, t):
-    """Count the parameter of item ``t`` once per step for a skipped block, in the engine's skip
-    table (``KernelLauncher.skip_table``): ``SKIPS[0]`` the count, ``SKIPS[SLOTS[t]]`` the last step
-    (plus one) that counted this parameter. Every program (and every streamed piece) of the
-    parameter raises its slot to the same value; only the one that raised it adds one."""
-    now = tl.load(STEP) + 1
-    if tl.atomic_max(SKIPS + tl.load(SLOTS + t), now, sem="relaxed") < now:
-        tl.atomic_add(SKIPS, 1, sem="relaxed")
 
 
 @triton.jit
@@ -266,7 +256,7 @@ def torch_fused_moments(m, v, g, beta1, beta2):
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, SKIPS, SLOTS, SEEDS, STEP, BASE,
+def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
@@ -363,10 +353,10 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, SKIPS, SLOTS, SEEDS, STEP, BA
         if FOLD:
             v_max = int8_block_max_bits(v, mask, True, ALIGNED)
             row_ok, p_mask, pmask_w, s8_w, s4mask_w = skip_masks(v_max < 0x7F800000, mask, pmask, s8, s4mask,
-                                                                 SKIPS, SLOTS, STEP, t, FIRST)
+                                                                 FLAGS, t, FIRST)
         else:
             v_max = 0
-            row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t,
+            row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t,
                                                                  CHECK_FINITE, FIRST)
         if CHECK_FINITE and FIRST:  # a skipped block keeps the initial (zero) state
             m = tl.where(per_block(row_ok), m, 0.0)

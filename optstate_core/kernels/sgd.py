@@ -11,8 +11,7 @@ from .codec_ops import load_state, store_state
 
 
 @triton.jit
-def sgd_kernel(P, G, M, MS, SKIPS, SLOTS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS,
-               TPOW2: tl.constexpr,
+def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
                M_INV_POW: tl.constexpr,
@@ -41,8 +40,7 @@ def sgd_kernel(P, G, M, MS, SKIPS, SLOTS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS,
     else:
         g = buf
     p = p - lr * g
-    row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, SKIPS, SLOTS, STEP, t,
-                                                         CHECK_FINITE, FIRST)
+    row_ok, p_mask, pmask_w, s8_w, s4mask_w = block_skip(g_in, mask, pmask, s8, s4mask, FLAGS, t, CHECK_FINITE, FIRST)
     if CHECK_FINITE and FIRST:  # a skipped block starts from a zero buffer
         buf = tl.where(per_block(row_ok), buf, 0.0)
     sr_idx = sr_indices(elem, BASE, t, M_SR, IDX32)
