@@ -36,6 +36,7 @@ class Bucket:
         self.plan = plan
         self.first = plan["first"]
         self.aligned = aligned_layout(self.params[0])
+        self.whole = self._is_whole()
         self._tables = {}
         self._param_index = None
 
@@ -51,14 +52,10 @@ class Bucket:
             return list(map(_DATA_PTR, map(_GRAD, self.keys)))
         return [local(k.grad).data_ptr() + off for k, off in zip(self.keys, self.offsets)]
 
-    @property
-    def whole(self) -> bool:
-        """Every item is a whole plain tensor (no row pieces, no DTensor shards): pointers come
-        straight from the parameters and gradients (the per-step path of most launches)."""
-        whole = self.__dict__.get("_whole")
-        if whole is None:
-            whole = self._whole = not any(self.offsets) and not any(map(is_dtensor, self.keys))
-        return whole
+    def _is_whole(self) -> bool:
+        """Every item is a whole plain tensor (no row offsets, no DTensor shards): pointers then
+        come straight from the parameters and gradients (the per-step path of most launches)."""
+        return not any(self.offsets) and not any(map(is_dtensor, self.keys))
 
     def param_index(self, device):
         """For a piece bucket: each piece's parameter index in the parent bucket (device table)."""
@@ -79,6 +76,7 @@ class Bucket:
         sub.cols = [self.cols[i] for i, _, _ in pieces]
         sub.bases = [self.bases[i] + r0 * self.cols[i] for i, r0, _ in pieces]
         sub.group_index, sub.plan, sub.first, sub.aligned = self.group_index, self.plan, self.first, self.aligned
+        sub.whole = sub._is_whole()
         sub.storages = storages
         sub._tables = {}
         sub._param_index = [i for i, _, _ in pieces]

@@ -61,13 +61,18 @@ class FusedPath:
         return None
 
     # -- eligibility -------------------------------------------------------------------------------
+    def _kernel_device(self, p) -> bool:
+        """The parameter is where the kernels run: CUDA, or the CPU under ``TRITON_INTERPRET=1``
+        with ``fused=True``."""
+        return p.device.type == "cuda" or bool(self.mode and p.device.type == "cpu" and interpreting())
+
     def plan(self, w, allow_uncompressed: bool = False) -> Optional[dict]:
         """How the kernel would step this parameter, or None (reference path). Uncompressed
         state goes to torch's own implementation unless ``allow_uncompressed``."""
         if self.mode is False:
             return None
         p, inner = w.param, self.engine.inner
-        if p.device.type != "cuda" and not (self.mode and p.device.type == "cpu" and interpreting()):
+        if not self._kernel_device(p):
             return self._fallback(f"parameters on {p.device.type} (the fused kernels need CUDA)")
         if triton_error():
             return self._fallback(triton_error())
@@ -163,7 +168,7 @@ class FusedPath:
         own step): ``beside`` compressed ones (the same launches, no second optimizer), or alone
         where the kernel steps it bit-identically to torch's fused Adam/AdamW (NaN/inf then skipped
         per block, with no extra pass)."""
-        if self.mode is False or (w.param.device.type != "cuda" and not (self.mode and interpreting())):
+        if self.mode is False or not self._kernel_device(w.param):
             return None
         plan = self.plan(w, allow_uncompressed=True)
         return plan if plan is not None and (beside or plan["torch_fused"]) else None

@@ -121,7 +121,7 @@ def test_adam_with_l2_decay_and_bf16_parameters_stay_with_torch():
 
 
 def test_a_captured_step_replays_torch_fused_adamw_bit_for_bit():
-    """The fp32 kernel path (bias corrections from torch ops on the device, the Triton launch) is
+    """The fp32 kernel path (bias corrections from torch's pow on the device, the Triton launches) is
     captured in a CUDA graph; each replay equals an eager step of torch's own fused AdamW."""
     kw = dict(lr=torch.tensor(1e-3, device="cuda"), capturable=True, weight_decay=0.05)
     torch.manual_seed(0)
