@@ -19,20 +19,38 @@ from .kernels import launch
 
 FP32, BF16, INT8, INT4 = 0, 1, 2, 3
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# launch shape (256-element tiles per program, warps), timed on an H100 2026-11-23 with
-# tools/kernel_shapes.py and the step table (BENCHMARKS.md sections 10-11): 4 tiles x 2 warps for
-# int8 states (0.57x vs 0.61x fused AdamW at 2 x 2), 2 x 2 for bf16 (4 x 2 no faster); 1 x 1 for
-# the Adam step of 4-bit states without master weights (2026-11-25, section 15: 6.51 ms vs 6.91 ms
-# at 2 x 2 with the step queued ahead, on two instances; no other shape faster). Env vars
-# override (OPTSTATE_NBLK sets every kind's tiles, OPTSTATE_NUM_WARPS every kind's warps).
-NBLK = int(os.environ.get("OPTSTATE_NBLK", 2))
-NUM_WARPS = int(os.environ.get("OPTSTATE_NUM_WARPS", 2))
-NBLK_INT8 = int(os.environ.get("OPTSTATE_NBLK", 4))
-NBLK_INT4 = int(os.environ.get("OPTSTATE_NBLK", 1))
-NUM_WARPS_INT4 = int(os.environ.get("OPTSTATE_NUM_WARPS", 1))
-# Adam: tiles of NBLK x 256 elements each program updates in a loop (per-program work, e.g. the
-# bias corrections and table reads, is done once for ITERS tiles; registers stay those of one)
-ITERS = int(os.environ.get("OPTSTATE_ITERS", 1))
+# launch shape (256-element tiles per program, warps, tiles looped over per program, register cap),
+# timed with tools/kernel_shapes.py and the step table (BENCHMARKS.md sections 10, 11, 15, 19):
+# int8 states 4 tiles x 2 warps (0.57x vs 0.61x fused AdamW at 2 x 2, H100 2026-11-23), looped
+# twice (H200 2026-11-26: 5.04 vs 5.21 ms with the step queued ahead; register caps no faster); bf16
+# 2 x 2 (4 x 2 and loops no faster); the Adam step of 4-bit states without master weights 1 x 1
+# (section 15: 6.51 vs 6.91 ms at 2 x 2, H100), looped 16 times and capped at 64 registers (no
+# spills; 32 one-warp programs per SM instead of 25 at its 80): H200 5.18 vs 5.49 ms uncapped, 5.84
+# (and 6.24 at the previous 4-bit rounding code) unlooped. Env vars override every kind's value
+# (OPTSTATE_NBLK, OPTSTATE_NUM_WARPS, OPTSTATE_ITERS, OPTSTATE_MAXNREG; 0: no cap).
+LAUNCH_SHAPES = {  # state kind -> (NBLK, num_warps, ITERS, maxnreg) of the Adam kernel (SGD: no loops)
+    "int8": (4, 2, 2, 0),
+    "int4": (1, 1, 16, 64),
+    "other": (2, 2, 1, 0),
+}
+for _kind, _shape in LAUNCH_SHAPES.items():
+    LAUNCH_SHAPES[_kind] = tuple(int(os.environ.get(name, value)) for name, value in zip(
+        ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG"), _shape))
+
+
+def launch_shape(plan) -> tuple:
+    """(NBLK, num_warps, ITERS, maxnreg or None) for a bucket's plan, by its most compressed state
+    (4-bit states with master weights take the general shape)."""
+    kinds = plan["kinds"]
+    if INT4 in kinds and plan["kind"] == "adam" and not plan.get("master"):
+        nblk, warps, iters, regs = LAUNCH_SHAPES["int4"]
+    elif INT8 in kinds and INT4 not in kinds:
+        nblk, warps, iters, regs = LAUNCH_SHAPES["int8"]
+    else:
+        nblk, warps, iters, regs = LAUNCH_SHAPES["other"]
+    return nblk, warps, iters if plan["kind"] == "adam" else 1, regs or None
+
+
 # hardware square root and reciprocal square root (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
@@ -106,12 +124,7 @@ class KernelLauncher:
         engine, plan, params = self.engine, bucket.plan, bucket.params
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
-        nblk, warps = NBLK, NUM_WARPS
-        if INT8 in plan["kinds"] and INT4 not in plan["kinds"]:
-            nblk = NBLK_INT8
-        elif INT4 in plan["kinds"] and plan["kind"] == "adam" and not plan.get("master"):
-            nblk, warps = NBLK_INT4, NUM_WARPS_INT4
-        iters = ITERS if plan["kind"] == "adam" else 1
+        nblk, warps, iters, maxnreg = launch_shape(plan)
         memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
             # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in
@@ -160,7 +173,7 @@ class KernelLauncher:
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
-                **self._master(bucket, device), **common)
+                maxnreg=maxnreg, **self._master(bucket, device), **common)
         else:
             sgd_kernel[(n_prog,)](
                 P, G, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,

@@ -223,21 +223,52 @@ def test_int4_nearest_by_arithmetic_equals_the_midpoint_search(signed, power):
 @pytest.mark.parametrize("power", [2, 4, 6])
 def test_int4_stochastic_bracket_equals_the_table_search(power):
     """The stochastic 4-bit encoder of non-negative states finds each value's bracketing levels
-    by arithmetic; at every level, one float32 step either side, and random values in [0, 1] it
-    gives the table search's level index and the table's level values, bit for bit."""
+    by arithmetic in the level domain (level j is j**p); at every level, one float32 step either
+    side, and random values in [0, 15**p] it gives the table search's level index and the integer
+    levels, bit for bit."""
     from optstate_core.codecs.int4 import Int4Codec
     codec = Int4Codec(signed=False, power=power, stochastic_rounding=True)
-    assert codec.integer_power == power
-    levels = codec.levels
-    y = torch.cat([levels, torch.nextafter(levels, torch.full_like(levels, 2.0)),
-                   torch.nextafter(levels, torch.full_like(levels, -2.0)),
-                   torch.rand(20000, generator=torch.Generator().manual_seed(power)) ** power,
-                   torch.rand(20000, generator=torch.Generator().manual_seed(power + 1))]).clamp(0.0, 1.0)
-    lo, l0, l1 = codec._bracket(y)
-    expected = (torch.bucketize(y, levels, right=True) - 1).clamp(0, len(levels) - 2)
+    assert codec.integer_power == power and codec.level_domain == 15.0 ** power
+    levels = torch.arange(16, dtype=torch.float64).pow(power).float()
+    top = codec.level_domain
+    z = torch.cat([levels, torch.nextafter(levels, torch.full_like(levels, 2 * top)),
+                   torch.nextafter(levels, torch.full_like(levels, -1.0)),
+                   torch.rand(20000, generator=torch.Generator().manual_seed(power)) ** power * top,
+                   torch.rand(20000, generator=torch.Generator().manual_seed(power + 1)) * top]).clamp(0.0, top)
+    lo, l0, l1 = codec._bracket(z)
+    expected = (torch.bucketize(z, levels, right=True) - 1).clamp(0, len(levels) - 2)
     assert torch.equal(lo.long(), expected)
     assert torch.equal(l0.view(torch.int32), levels[expected].view(torch.int32))
     assert torch.equal(l1.view(torch.int32), levels[expected + 1].view(torch.int32))
+
+
+def test_int4_level_domain_rounding_is_unbiased_and_lands_on_the_bracket():
+    """Stochastic 4-bit codes of non-negative states (decided in the level domain): every code is
+    one of the two levels around its value (a positive value never 0), and over many draws the
+    decoded mean matches the value within 5 standard errors of the two-level draw (above the first
+    positive level; below it the code is 1, never 0)."""
+    from optstate_core.codecs.int4 import Int4Codec
+    from optstate_core.codecs.rounding import RoundingContext, stream_key
+    codec = Int4Codec(signed=False, stochastic_rounding=True)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(1, 256, generator=gen) ** 4
+    x[0, 0] = x[0, 128] = 1.0  # the maxima of both 128-element blocks: every value normalized by 1
+    draws = 4000
+    total = torch.zeros_like(x, dtype=torch.float64)
+    levels = codec.levels.double()
+    for step in range(draws):
+        payload = {"codes": torch.empty(1, 128, dtype=torch.uint8), "scales": torch.empty(1, 2)}
+        codec.encode_into(x, payload, RoundingContext(stream_key(11, step), row_stride=256))
+        decoded = codec.decode_into(payload, torch.empty_like(x)).double()
+        lo = (torch.bucketize(x.double(), levels, right=True) - 1).clamp(0, 14)
+        assert bool(((decoded == levels[lo]) | (decoded == levels[lo + 1])).all())
+        assert bool((decoded[x > 0] > 0).all())
+        total += decoded
+    spread = (levels[lo + 1] - levels[lo]) / 2
+    above = x.double() >= levels[1]
+    assert int(above.sum()) > 200
+    error = (total / draws - x.double()).abs()
+    assert bool((error <= 5 * spread / draws ** 0.5 + 1e-7)[above].all())
 
 
 @pytest.mark.parametrize("cols", [1, 2, 3, 5, 6, 7, 8, 12, 16, 24, 256, 260])

@@ -45,21 +45,19 @@ def main():
     ap.add_argument("--presets", default="8bit,4bit,bf16")
     ap.add_argument("--shapes", default="4x4,2x2,2x4,4x8,8x8,1x1,1x2,8x4")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=None, help="tiles per program, looped (default: fused_launch.ITERS)")
+    ap.add_argument("--iters", type=int, default=1, help="tiles per program, looped")
     args = ap.parse_args()
-    if args.iters:
-        fused.ITERS = args.iters
     ps = params(args.layers)
     n = sum(p.numel() for p in ps)
     ref, ref_wall = timed(torch.optim.AdamW(ps, fused=True), args.steps, 3)
-    print(f"{n / 1e6:.0f}M parameters, {fused.ITERS} tile loop(s) per program; torch AdamW fused: {ref:.3f} ms "
+    print(f"{n / 1e6:.0f}M parameters, {args.iters} tile loop(s) per program; torch AdamW fused: {ref:.3f} ms "
           f"(wall {ref_wall:.3f} ms)")
     print("| preset | tiles x warps | step ms | x fused | wall ms | x fused (wall) |\n|---|---|---:|---:|---:|---:|")
     for spec in args.presets.split(","):
         preset, _, flag = spec.partition(":")  # "8bit:nocheck" = skip_nonfinite=False
         for shape in args.shapes.split(","):
             nblk, warps = (int(x) for x in shape.split("x"))
-            fused.NBLK, fused.NUM_WARPS, fused.NBLK_INT8 = nblk, warps, nblk
+            fused.LAUNCH_SHAPES.update({kind: (nblk, warps, args.iters, 0) for kind in fused.LAUNCH_SHAPES})
             qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
             for q, p in zip(qs, ps):
                 q.grad = p.grad

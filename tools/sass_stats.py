@@ -31,9 +31,10 @@ SCALARS = {"STEP": "*i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_b
 # the constexprs fused_launch.py passes for AdamW with fp32 parameters, aligned tensors, the
 # NaN/inf check and fast math on (the defaults), per preset
 COMMON = dict(TPOW2=256, IDX32=True, P_KIND=0, P_SR=False, AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False,
-              FIRST=False, CHECK_FINITE=True, LR_TENSOR=False, ALIGNED=True, FAST_MATH=True, ITERS=1, MASTER=0)
+              FIRST=False, CHECK_FINITE=True, LR_TENSOR=False, ALIGNED=True, FAST_MATH=True, ITERS=1, MASTER=0,
+              TORCH_FUSED=False)
 PRESETS = {
-    "4bit": dict(M_KIND=3, V_KIND=3, M_SR=False, V_SR=False, M_LEVELS=15, V_LEVELS=16, M_INV_POW=0.5,
+    "4bit": dict(M_KIND=3, V_KIND=3, M_SR=False, V_SR=True, M_LEVELS=15, V_LEVELS=16, M_INV_POW=0.5,
                  V_INV_POW=0.25, M_POW=2, V_POW=4),
     "8bit": dict(M_KIND=2, V_KIND=2, M_SR=True, V_SR=True, M_LEVELS=2, V_LEVELS=2, M_INV_POW=0.5, V_INV_POW=0.5,
                  M_POW=0, V_POW=0),
@@ -104,7 +105,7 @@ def registers(kernel) -> str:
 
 
 def stats(preset: str, nblk: int, warps: int, arch: int, extra=None):
-    const = dict(COMMON, **PRESETS[preset], NBLK=nblk, **(extra or {}))
+    const = {**COMMON, **PRESETS[preset], "NBLK": nblk, **(extra or {})}
     kernel = compile_adam(arch, const, warps)
     text = sass(kernel)
     every = opcodes(text)

@@ -236,8 +236,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="produce every step's gradients with an autograd backward (backward hooks run, as in "
                              "training: the fp32 path's NaN/inf check moves there); adds its wall ms")
     parser.add_argument("--tune", default=None,
-                        help="kernel launch shapes to try for the fused configurations, e.g. '2x4,4x4,8x8' "
-                             "(tiles of 256 per program x warps); each adds rows")
+                        help="kernel launch shapes to try for the fused configurations, e.g. '2x4,4x4,1x1x16x64' "
+                             "(tiles of 256 per program x warps [x tiles looped over [x register cap]]); "
+                             "each adds rows")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     parser.add_argument("--budget-fraction", type=float, default=1 / 16,
                         help="gpu_budget for budgeted configurations, as a fraction of fp32 AdamW state")
@@ -245,6 +246,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_arguments(parser)
     capacity.add_arguments(parser)
     peakbytes.add_arguments(parser)
+
+
+def tune_shape(item: str) -> tuple:
+    """A ``--tune`` item, ``TILESxWARPS[xLOOPS[xREGISTERS]]``, as (NBLK, num_warps, ITERS, maxnreg)
+    (loops default to 1, the register cap to none: 0)."""
+    parts = item.strip().split("x")
+    if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[:3]):
+        raise ValueError(f"--tune: {item!r} is not TILESxWARPS[xLOOPS[xREGISTERS]] with positive integers")
+    nblk, warps, iters, regs = (int(p) for p in parts + ["1", "0"][len(parts) - 2:])
+    return nblk, warps, iters, regs
 
 
 def run(args) -> int:
@@ -278,18 +289,18 @@ def run(args) -> int:
     bandwidth = (rates["mean"], rates["duplex"])
     rows = []
     from .. import fused_launch as fused
-    shapes_to_try = [(fused.NBLK, fused.NUM_WARPS)]
+    shapes_to_try = [None]
     if args.tune:
-        shapes_to_try = [tuple(int(x) for x in item.split("x")) for item in args.tune.split(",")]
+        shapes_to_try = [tune_shape(item) for item in args.tune.split(",")]
+    defaults = dict(fused.LAUNCH_SHAPES)
     for label, cfg in table.items():
         variants = shapes_to_try if cfg.name not in ("adamw",) and not cfg.name.startswith(("bnb", "ao")) else [None]
         for variant in variants:
             name = label
-            if variant is not None and args.tune:
-                fused.NBLK, fused.NUM_WARPS = variant
-                fused.NBLK_INT8 = variant[0]
+            if variant is not None:
+                fused.LAUNCH_SHAPES.update({kind: variant for kind in defaults})
                 if len(variants) > 1:
-                    name = f"{label} [{variant[0]}x256, {variant[1]} warps]"
+                    name = f"{label} [{variant[0]}x256, {variant[1]} warps, {variant[2]} loops, {variant[3] or 'any'} regs]"
             log.info("bench: %s", name)
             try:
                 r = bench_one(cfg, shapes, device, args.steps, args.warmup, backward=args.backward)
@@ -298,6 +309,7 @@ def run(args) -> int:
                 rows.append((name, cfg, None))
                 continue
             rows.append((name, cfg, r))
+    fused.LAUNCH_SHAPES.update(defaults)
     print_table(rows, device, bandwidth)
     if args.json:
         import json

@@ -8,9 +8,12 @@
   decided in the log domain (geometric midpoints), the domain in which ``sqrt(v)`` errors matter.
 
 With stochastic rounding a value between levels ``l0 <= y < l1`` gets the upper code with
-probability ``(y - l0) / (l1 - l0)`` from its 24 random bits ``u`` (for the non-negative
-integer-power levels decided as ``u * (l1 - l0) < y - l0``, without a division, in the kernels
-and here alike).
+probability ``(y - l0) / (l1 - l0)`` from its 24 random bits ``u``. For the non-negative
+integer-power levels that is decided in the level domain ``z = x * float32(15**p / absmax)``
+(one multiply per element; level ``j`` is the integer ``j**p`` there) as
+``u * (l1 - l0) < z - l0``, without a division, in the kernels and here alike (before 2026-11-26
+on ``y = x / absmax`` against the levels ``j**p / 15**p``: the same codes up to float32 rounding
+of the probability, decoded the same way).
 
 Element ``2i`` of a row goes to the low nibble of byte ``i``, element ``2i + 1`` to the high
 nibble. Encoding is ``bucketize(x * (1 / absmax))`` against fixed float32 midpoints; the Triton
@@ -84,11 +87,18 @@ def int4_midpoints(levels: torch.Tensor, signed: bool, power: float = 0.0) -> to
 
 
 def _ipow(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x ** n`` by ``n - 1`` multiplies (exact for the small integers the levels are made of)."""
-    out = x
-    for _ in range(n - 1):
-        out = out * x
+    """``x ** n`` by repeated multiplies, squaring first for an even ``n`` (exact, in any order,
+    for the small integers and half-integers the levels are made of; the kernels' ``ipow``)."""
+    base, count = (x * x, n // 2) if n % 2 == 0 else (x, n)
+    out = base
+    for _ in range(count - 1):
+        out = out * base
     return out
+
+
+def _uniform(rbits: torch.Tensor) -> torch.Tensor:
+    """The uniform float32 in [0, 1) of 24 of the rounding bits (the kernels' ``u``)."""
+    return ((rbits >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -124,14 +134,16 @@ def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, 2 * half)[:, :cols]
 
 
-def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
-    """``x * (1 / absmax)`` per block: one correctly rounded reciprocal per block, then exact
-    IEEE multiplies (the kernel computes the same). A reciprocal that overflows (absmax below
-    ~2.9e-39, i.e. 2**-128) is replaced by 0: such a block is stored as zeros (its scale kept), and
-    every normalized value is finite with |y| <= 1 up to rounding, which the kernels' fast path
-    relies on (before 2026-11-23 its nonzero values were stored as +-1)."""
+def _divide_blocks(x: torch.Tensor, absmax: torch.Tensor, block: int, factor: float = 1.0) -> torch.Tensor:
+    """``x * (factor / absmax)`` per block: one correctly rounded reciprocal per block (times
+    ``factor``, a float32 product, when it is not 1), then IEEE multiplies (the kernel computes the
+    same). A reciprocal that overflows (absmax below ~2.9e-39, i.e. 2**-128) is replaced by 0: such a
+    block is stored as zeros (its scale kept), and every normalized value is finite with
+    |y| <= factor up to rounding, which the kernels' fast path relies on (before 2026-11-23 its
+    nonzero values were stored as +-1)."""
     inv = 1.0 / absmax
-    return scale_blocks(x, torch.where(torch.isinf(inv), torch.zeros_like(inv), inv), block)
+    inv = torch.where(torch.isinf(inv), torch.zeros_like(inv), inv)
+    return scale_blocks(x, inv * factor if factor != 1.0 else inv, block)
 
 
 class Int4Codec(Codec):
@@ -188,26 +200,40 @@ class Int4Codec(Codec):
 
     def codes_of(self, y: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
         """Codes (int32) for normalized values ``y`` in [-1, 1] (finite) or +-inf; ``rbits``: the
-        int32 rounding bits (:meth:`RoundingContext.bits32`) for stochastic rounding."""
+        int32 rounding bits (:meth:`RoundingContext.bits32`) for stochastic rounding by the level
+        table (the non-negative integer-power levels round stochastically in their level domain:
+        :meth:`level_domain_codes`)."""
         y = torch.where(y != y, 0.0, y)  # NaN -> 0 (vectorizes where nan_to_num's isnan does not)
         y = y.clamp(-1.0, 1.0) if self.is_signed else y.clamp(0.0, 1.0)
         if rbits is None:
             if self.integer_power:
                 return self._nearest(y)
             return torch.bucketize(y, self.midpoints.to(y.device), out_int32=True)
-        u = ((rbits >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
-        if self.integer_power and not self.is_signed:  # the kernels' arithmetic way (no table, no division)
-            lo, l0, l1 = self._bracket(y)
-            code = lo + (u * (l1 - l0) < y - l0).to(torch.int32)
-        else:
-            levels = self.levels.to(y.device)
-            lo = (torch.bucketize(y, levels, out_int32=True, right=True) - 1).clamp(0, len(levels) - 2)
-            l0, l1 = levels[lo], levels[lo + 1]
-            code = lo + (u < (y - l0) / (l1 - l0)).to(torch.int32)
+        levels = self.levels.to(y.device)
+        lo = (torch.bucketize(y, levels, out_int32=True, right=True) - 1).clamp(0, len(levels) - 2)
+        l0, l1 = levels[lo], levels[lo + 1]
+        code = lo + (_uniform(rbits) < (y - l0) / (l1 - l0)).to(torch.int32)
         return code if self.is_signed else torch.where(y > 0, code.clamp_min(1), code)
 
+    @property
+    def level_domain(self) -> float:
+        """``15**p`` for non-negative integer-power levels (level ``j`` is ``j**p`` in the domain
+        ``x * (15**p / absmax)``, where they round stochastically), else 0."""
+        return float(15 ** self.integer_power) if self.integer_power and not self.is_signed else 0.0
+
+    def level_domain_codes(self, z: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
+        """Stochastically rounded codes (int32) of ``z = x * float32(15**p / absmax)`` (in
+        [0, 15**p] up to rounding; NaN -> 0) for the non-negative integer-power levels, as the
+        kernels' ``encode_int4_unsigned_sr``: ``lo`` = the largest level ``j**p <= z`` (clamped to
+        0..14), then ``lo + 1`` with probability ``(z - l0) / (l1 - l0)``, decided as
+        ``u * (l1 - l0) < z - l0``; a positive value never gets code 0."""
+        z = torch.where(z != z, 0.0, z).clamp(0.0, self.level_domain)
+        lo, l0, l1 = self._bracket(z)
+        code = lo + (_uniform(rbits) * (l1 - l0) < z - l0).to(torch.int32)
+        return torch.where(z > 0, code.clamp_min(1), code)
+
     def _root(self, a: torch.Tensor) -> torch.Tensor:
-        """``a ** (1 / p)`` for ``a`` in [0, 1], approximately, as the kernels' ``int4_root``: the
+        """``a ** (1 / p)`` for ``a >= 0``, approximately, as the kernels' ``int4_root``: the
         encoders only need the code it rounds to within one, and one exact comparison fixes it."""
         p = self.integer_power
         return a.sqrt() if p == 2 else a.sqrt().sqrt() if p == 4 else a.pow(1.0 / p)
@@ -230,20 +256,20 @@ class Int4Codec(Codec):
         code = est.to(torch.int32) + (y > bound).to(torch.int32)
         return torch.where(y > 0, code, 0)
 
-    def _bracket(self, y: torch.Tensor):
-        """``(lo, levels[lo], levels[lo + 1])`` with ``lo`` the largest level <= ``y`` (clamped to
-        0..14) for the non-negative integer-power levels ``j**p * c``, by arithmetic (as the
-        kernels: no table search, no gather): ``floor(15 y ** (1/p))`` is ``lo`` or one off, exact
-        comparisons with the levels beside it decide. The same values as the table's."""
-        p, c = self.integer_power, int4_scale(False, self.effective_power)
+    def _bracket(self, z: torch.Tensor):
+        """``(lo, l0, l1)``: ``lo`` the largest level ``j**p <= z`` (clamped to 0..14) in the level
+        domain ``z`` in [0, 15**p], and the integer levels ``lo**p``, ``(lo + 1)**p`` as float32,
+        by arithmetic (as the kernels: no table search, no gather): ``floor(z ** (1/p))`` is ``lo``
+        or one off, exact comparisons with the levels beside it decide."""
+        p = self.integer_power
 
         def level(j):
-            return _ipow(j, p) * c
+            return _ipow(j, p)
 
-        e0 = torch.floor(self._root(y) * 15.0).clamp(max=14.0)
+        e0 = torch.floor(self._root(z)).clamp(max=14.0)
         la, lb = level(e0), level(e0 + 1.0)
-        down = la > y
-        up = (lb <= y) & (e0 < 14.0)
+        down = la > z
+        up = (lb <= z) & (e0 < 14.0)
         lc = level(torch.where(down, e0 - 1.0, e0 + 2.0))
         l0 = torch.where(down, lc, torch.where(up, lb, la))
         l1 = torch.where(down, la, torch.where(up, lc, lb))
@@ -254,9 +280,13 @@ class Int4Codec(Codec):
         x = x.to(torch.float32)
         absmax = finite_absmax(to_blocks(x, self.block_size))
         safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        y = _divide_blocks(x, safe, self.block_size)
         rbits = rounding.bits32(rows, cols, x.device) if (self.stochastic_rounding and rounding) else None
-        out["codes"].copy_(pack_nibbles(self.codes_of(y.contiguous(), rbits).to(torch.uint8)))
+        if rbits is not None and self.level_domain:
+            z = _divide_blocks(x, safe, self.block_size, self.level_domain)
+            codes = self.level_domain_codes(z.contiguous(), rbits)
+        else:
+            codes = self.codes_of(_divide_blocks(x, safe, self.block_size).contiguous(), rbits)
+        out["codes"].copy_(pack_nibbles(codes.to(torch.uint8)))
         out["scales"].copy_(absmax)
 
     def decode_into(self, payload, out):

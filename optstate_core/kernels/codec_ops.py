@@ -168,10 +168,17 @@ def encode_int8(y, rbits, SIGNED: tl.constexpr, SR: tl.constexpr, FINITE: tl.con
 # -- 4-bit codebook -------------------------------------------------------------------------------
 @triton.jit
 def ipow(k, P: tl.constexpr):
-    """k ** P for a small integer-valued tensor and a constexpr P >= 1 (exact below 2**24)."""
-    out = k
-    for _ in tl.static_range(P - 1):
-        out = out * k
+    """k ** P for a small integer- or half-integer-valued tensor and a constexpr P >= 1 (exact below
+    2**24), squaring first for an even P (codecs/int4.py ``_ipow``)."""
+    if P % 2 == 0:
+        base = k * k
+        out = base
+        for _ in tl.static_range(P // 2 - 1):
+            out = out * base
+    else:
+        out = k
+        for _ in tl.static_range(P - 1):
+            out = out * k
     return out
 
 
@@ -285,29 +292,30 @@ def encode_int4_unsigned(y, INV_POW: tl.constexpr, POW: tl.constexpr, FINITE: tl
 
 
 @triton.jit
-def encode_int4_unsigned_sr(y, rbits, INV_POW: tl.constexpr, POW: tl.constexpr):
-    """Stochastically rounded codes for the levels ``(j / 15) ** p`` (even integer p), as
-    codecs/int4.py codes_of: ``lo`` = the largest level <= y (clamped to 0..14), then ``lo + 1``
-    with probability ``(y - l0) / (l1 - l0)``; a positive value never gets code 0.
+def encode_int4_unsigned_sr(z, rbits, INV_POW: tl.constexpr, POW: tl.constexpr, FINITE: tl.constexpr = False):
+    """Stochastically rounded codes for the levels ``(j / 15) ** p`` (even integer p) in their level
+    domain ``z = x * float32(15**p / absmax)``, where level ``j`` is the integer ``j**p``, as
+    codecs/int4.py ``level_domain_codes``: ``lo`` = the largest level <= z (clamped to 0..14), then
+    ``lo + 1`` with probability ``(z - l0) / (l1 - l0)``; a positive value never gets code 0.
 
-    ``e0 = floor(15 y ** (1/p))`` is ``lo`` or one off (the root is approximate); exact
-    comparisons with the levels on both sides decide, every level being an exact integer times
-    one float32 constant (the table's values), so the codes equal the reference's."""
-    y = tl.where(y == y, y, 0.0)
-    y = tl.minimum(tl.maximum(y, 0.0), 1.0)
-    c = 1.0 / 15 ** POW
-    e0 = tl.minimum(tl.floor(int4_root(y, INV_POW) * 15.0), 14.0)
-    la = ipow(e0, POW) * c
-    lb = ipow(e0 + 1.0, POW) * c
-    down = la > y
-    up = (lb <= y) & (e0 < 14.0)
-    lc = ipow(tl.where(down, e0 - 1.0, e0 + 2.0), POW) * c
+    ``e0 = floor(z ** (1/p))`` is ``lo`` or one off (the root is approximate); exact comparisons
+    with the integer levels on both sides decide, so the codes equal the reference's. FINITE: ``z``
+    is finite and non-negative (above ``15**p`` only by rounding, which the clamp of ``e0`` handles)."""
+    if not FINITE:
+        z = tl.where(z == z, z, 0.0)
+        z = tl.minimum(tl.maximum(z, 0.0), 15.0 ** POW)
+    e0 = tl.minimum(tl.floor(int4_root(z, INV_POW)), 14.0)
+    la = ipow(e0, POW)
+    lb = ipow(e0 + 1.0, POW)
+    down = la > z
+    up = (lb <= z) & (e0 < 14.0)
+    lc = ipow(tl.where(down, e0 - 1.0, e0 + 2.0), POW)
     l0 = tl.where(down, lc, tl.where(up, lb, la))
     l1 = tl.where(down, la, tl.where(up, lc, lb))
     lo = e0.to(tl.int32) - down.to(tl.int32) + up.to(tl.int32)
     u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08
-    code = lo + (u * (l1 - l0) < y - l0).to(tl.int32)  # u < (y - l0) / (l1 - l0), without the division
-    return tl.where(y > 0, tl.maximum(code, 1), code)
+    code = lo + (u * (l1 - l0) < z - l0).to(tl.int32)  # u < (z - l0) / (l1 - l0), without the division
+    return tl.where(z > 0, tl.maximum(code, 1), code)
 
 
 @triton.jit
@@ -325,8 +333,8 @@ def encode_int4(y, rbits, levels_ptr, mids_ptr, N_LEVELS: tl.constexpr, SIGNED: 
             return encode_int4_signed(y, INV_POW, POW, FINITE)
         else:
             return encode_int4_unsigned(y, INV_POW, POW, FINITE)
-    if POW != 0 and SR and not SIGNED:
-        return encode_int4_unsigned_sr(y, rbits, INV_POW, POW)
+    if POW != 0 and SR and not SIGNED:  # y: in the level domain (store_state)
+        return encode_int4_unsigned_sr(y, rbits, INV_POW, POW, FINITE)
     y = tl.where(y == y, y, 0.0)
     if SIGNED:
         y = tl.minimum(tl.maximum(y, -1.0), 1.0)
@@ -413,7 +421,10 @@ def store_state(x, data_addr, scale_addr, elem, mask, pair, pmask, s8, s4, s4mas
         absmax = tl.max(finite_abs_bits(x, mask, FINITE, WHOLE), axis=2).to(tl.float32, bitcast=True)  # [2, NBLK]
         safe = tl.where(absmax > 0, absmax, 1.0)
         inv = tl.math.div_rn(1.0, safe)  # as the torch codec: the rounded reciprocal, 0 where it overflows
-        y = x * tl.where(inv < float("inf"), inv, 0.0)[:, :, None]
+        inv = tl.where(inv < float("inf"), inv, 0.0)
+        if SR and POW != 0 and not SIGNED:  # stochastic non-negative integer-power levels: the level domain
+            inv = inv * (15.0 ** POW)
+        y = x * inv[:, :, None]
         if SR:
             rb = random_bits(key, sr_idx)
         else:

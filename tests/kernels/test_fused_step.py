@@ -285,16 +285,17 @@ def test_sgd_nonfinite_gradient_skips_its_block():
     assert opt.memory_report()["nonfinite_skipped"] == 1
 
 
-@pytest.mark.parametrize("knob,values,codecs", [("ITERS", (1, 3), ("int8", "int4")),
-                                                 ("NBLK_INT8", (2, 4), ("int8", "int8"))])
-def test_tiles_per_program_do_not_change_results(monkeypatch, knob, values, codecs):
+@pytest.mark.parametrize("kind,shapes,codecs", [("other", ((2, 2, 1, 0), (2, 2, 3, 0)), ("int8", "int4")),
+                                                 ("int4", ((1, 1, 1, 0), (1, 1, 16, 64)), ("int4", "int4")),
+                                                 ("int8", ((2, 2, 1, 0), (4, 2, 2, 0)), ("int8", "int8"))])
+def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, codecs):
     """ITERS tiles per program (a loop in the kernel), or NBLK tiles side by side, give
     bit-identical parameters and states."""
     from optstate_core import fused_launch
 
     out = []
-    for value in values:
-        monkeypatch.setattr(fused_launch, knob, value)
+    for shape in shapes:
+        monkeypatch.setitem(fused_launch.LAUNCH_SHAPES, kind, shape)
         ps = params()
         opt = build(ps, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), policy(*codecs), fused=True)
         for s in range(2):
