@@ -304,3 +304,19 @@ def test_demo_on_cuda(tmp_path):
         assert 0 < float(r["gpu_mem_mb"]) <= float(r["gpu_peak_mb"])
     last = {r["run"]: r for r in rows}
     assert float(last["optstate-8bit"]["tensor_mem_mb"]) < 0.5 * float(last["adamw"]["tensor_mem_mb"])
+
+
+@pytest.mark.parametrize("tune", ["0x1", "2", "1x1x1x1x1", "ax2", "2x2x0"])
+def test_bench_tune_bad_shape_is_a_usage_error(tune, capsys):
+    """``bench --tune`` items are TILESxWARPS[xLOOPS[xREGISTERS]]; anything else names the flag."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--tune", tune, *TINY, "--steps", "1", "--configs", "int8"])
+    assert e.value.code == 2
+    assert f"--tune: {tune!r}" in capsys.readouterr().err
+
+
+def test_bench_tune_shapes_parse_with_defaults():
+    from optstate_core.apps.bench import tune_shape
+    assert tune_shape("2x4") == (2, 4, 1, 0)
+    assert tune_shape("1x1x16") == (1, 1, 16, 0)
+    assert tune_shape("1x1x16x64") == (1, 1, 16, 64)
