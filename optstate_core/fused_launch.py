@@ -33,9 +33,21 @@ LAUNCH_SHAPES = {  # state kind -> (NBLK, num_warps, ITERS, maxnreg) of the Adam
     "int4": (1, 1, 16, 64),
     "other": (2, 2, 1, 0),
 }
+
+
+def _env_count(name: str, default: int, least: int) -> int:
+    """An integer environment override (at least ``least``), or ``default`` when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit() or int(value) < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
 for _kind, _shape in LAUNCH_SHAPES.items():
-    LAUNCH_SHAPES[_kind] = tuple(int(os.environ.get(name, value)) for name, value in zip(
-        ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG"), _shape))
+    LAUNCH_SHAPES[_kind] = tuple(_env_count(name, value, least) for name, value, least in zip(
+        ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG"), _shape, (1, 1, 1, 0)))
 
 
 def launch_shape(plan) -> tuple:

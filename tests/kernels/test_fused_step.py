@@ -9,6 +9,9 @@ then differ, again by one step.
 """
 import copy
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -308,6 +311,17 @@ def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, code
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = o1.state[p][key], o3.state[q][key]
             assert all(torch.equal(a.payload[n], b.payload[n]) for n in a.payload)
+
+
+@pytest.mark.parametrize("name,value", [("OPTSTATE_ITERS", "0"), ("OPTSTATE_NBLK", "two"), ("OPTSTATE_MAXNREG", "-1")])
+def test_bad_launch_shape_override_names_the_variable(name, value):
+    """A launch-shape environment override that is not a count fails at import, naming the variable."""
+    env = dict(os.environ, **{name: value})
+    done = subprocess.run([sys.executable, "-c", "import optstate_core.fused_launch"], env=env,
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__)))))
+    assert done.returncode != 0
+    assert f"{name} must be an integer" in done.stderr and repr(value) in done.stderr
 
 
 def test_fallback_is_logged_once(caplog):
