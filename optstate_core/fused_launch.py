@@ -112,10 +112,12 @@ class KernelLauncher:
 
     def count_skipped(self, flags) -> None:
         """Add a launch's raised flags to the device counter (read when metrics are asked for)."""
-        if flags is None:
-            return
-        total = flags.sum()
-        self.nonfinite_device = total if self.nonfinite_device is None else self.nonfinite_device + total
+        if flags is not None:
+            self.add_skipped(flags.sum())
+
+    def add_skipped(self, count: torch.Tensor) -> None:
+        """Add skips counted on the device (a launch's flags, torch's own step in passthrough_skip)."""
+        self.nonfinite_device = count if self.nonfinite_device is None else self.nonfinite_device + count
 
     def advance_steps(self, bucket) -> None:
         """Advance the bucket's per-parameter step counters on the device after its streamed
@@ -151,9 +153,7 @@ class KernelLauncher:
         STEP = self.step_count(device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
         parent_flags = flags
-        flags = self.new_flags(bucket) if check else None
-        if flags is None:
-            flags = _dummy_flags(device)
+        flags = self.new_flags(bucket) if check else _dummy(device, torch.int32)
         p_kind = P_KINDS[params[0].dtype]
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
@@ -267,18 +267,12 @@ class KernelLauncher:
 
 
 _BETAS: Dict[tuple, torch.Tensor] = {}
-_DUMMIES: Dict[str, torch.Tensor] = {}
+_DUMMIES: Dict[tuple, torch.Tensor] = {}
 
 
-def _dummy_flags(device) -> torch.Tensor:
-    key = f"flags:{device}"
+def _dummy(device, dtype=torch.float32) -> torch.Tensor:
+    """A small zero tensor for kernel arguments a launch does not read (tables, unchecked flags)."""
+    key = (str(device), dtype)
     if key not in _DUMMIES:
-        _DUMMIES[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _DUMMIES[key]
-
-
-def _dummy(device) -> torch.Tensor:
-    key = str(device)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = torch.zeros(16, dtype=torch.float32, device=device)
+        _DUMMIES[key] = torch.zeros(16, dtype=dtype, device=device)
     return _DUMMIES[key]

@@ -51,6 +51,4 @@ def run(engine, items: List[tuple]) -> None:
         run_inner(inner, items, engine.state)
     finally:
         del inner.found_inf
-    skipped = (found_inf * len(items)).to(torch.int32)
-    kernels = engine.kernels
-    kernels.nonfinite_device = skipped if kernels.nonfinite_device is None else kernels.nonfinite_device + skipped
+    engine.kernels.add_skipped((found_inf * len(items)).to(torch.int32))
