@@ -1,12 +1,12 @@
 """optstate: optimizer-state virtualization for PyTorch (the public API, nothing else)."""
-from .checkpoint import to_plain_state_dict
-from .codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec, IdentityCodec, Int4Codec, Int8Codec,
-                     Int8MomentumCodec, get_codec)
-from .master_weights import cast_model, master_state_dict
+from .state.checkpoint import to_plain_state_dict
+from .state.codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec, IdentityCodec, Int4Codec, Int8Codec,
+                           Int8MomentumCodec, get_codec)
+from .state.master_weights import cast_model, master_state_dict
 from .optimizer import VirtualOptimizer
 from .policy import AdaptiveWarmupPolicy, ParamInfo, Policy, WarmupPolicy
-from .presets import (PRESETS, OptStateAdamW, auto_wrap, make_low_memory_policy, make_policy, wrap, wrap_low_memory_adamw,
-                      wrap_max_compression_adamw)
+from .presets import (PRESETS, OptStateAdamW, auto_wrap, make_low_memory_policy, make_policy, wrap,
+                      wrap_low_memory_adamw, wrap_max_compression_adamw)
 
 OptimizerWrapper = VirtualOptimizer  # torch-optstate's name
 __version__ = "0.1.0"

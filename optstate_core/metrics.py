@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .codecs import EncodedTensor
-from .dtensor import local
-from .master_weights import MASTER_KEY
-from .store import is_scalar_state, state_nbytes
+from .state.codecs import EncodedTensor
+from .state.dtensor import local
+from .state.master_weights import MASTER_KEY
+from .state.store import is_scalar_state, state_nbytes
 
 
 
@@ -26,7 +26,7 @@ def memory_report(engine, param_groups) -> dict:
     ``optimizer_state``, each ``{"device": bytes, "host": bytes}``; the correction is also in
     ``state_bytes``) and ``device_bytes_per_param`` (their device total per parameter; with
     gradients released, call it between backward and ``step`` to see them at zero), and
-    ``prefetch`` (:meth:`~optstate_core.prefetch.PrefetchArea.report`: the prefetch area's budget,
+    ``prefetch`` (:meth:`~optstate_core.schedule.prefetch.PrefetchArea.report`: the prefetch area's budget,
     bytes staged in the last step, bytes moved per phase ``backward``/``step``/``behind_forward``,
     and on CUDA the spans of the copies that ran beside compute, ``hidden_ms``).
     """

@@ -6,12 +6,13 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checkpoint, master_weights, metrics
-from .engine import Engine
+from .state import checkpoint, master_weights
+from . import metrics
+from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
-from .prefetch import AUTO, check_prefetch_budget
-from .release import GradientRelease, check_clip_options, check_release_supported
-from .units import parse_bytes
+from .schedule.prefetch import AUTO, check_prefetch_budget
+from .schedule.release import GradientRelease, check_clip_options, check_release_supported
+from .state.units import parse_bytes
 
 log = logging.getLogger("optstate")
 
@@ -71,7 +72,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         prefetch_budget: device memory that offloaded state may take while it uploads during
             backward (post-accumulate-grad hooks, on micro-batches that end in a step), so that
             its update runs at once in ``step()``: ``"auto"`` (on CUDA 0.9 of the memory the
-            first measured backward freed, see :mod:`optstate_core.prefetch`; the ring alone
+            first measured backward freed, see :mod:`optstate_core.schedule.prefetch`; the ring alone
             until then), a byte count (``"2GB"``), or ``0`` (off: all offloaded state streams
             through the staging ring in ``step()``). Default ``None``: ``"auto"`` (``0`` with
             ``prefetch_during_backward=False`` or ``release_gradients=True``). Allocated during
@@ -83,7 +84,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         release_gradients: on the micro-batch that ends in a step (see :meth:`set_step_boundary`),
             update each parameter in its post-accumulate-grad hook and free its gradient at
             once; ``step()`` then only advances the step. One process, no ``gpu_budget``, no
-            GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.release`.
+            GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.schedule.release`.
         max_grad_norm: clip gradients to this 2-norm before the update (None: no clipping).
         clip_mode: ``"auto"`` (``"global"`` without release, ``"previous"`` with it),
             ``"global"`` (torch's ``clip_grad_norm_`` over all gradients in ``step()``),

@@ -13,8 +13,8 @@ from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .codecs import Codec, FP32Codec, get_codec
-from .master_weights import MASTER_DTYPES, MASTER_KEY
+from .state.codecs import Codec, FP32Codec, get_codec
+from .state.master_weights import MASTER_DTYPES, MASTER_KEY
 
 #: codecs a master-weight correction may use
 MASTER_CODECS = ("corr16", "corr8", "fp32")
@@ -130,7 +130,7 @@ class WarmupPolicy(Policy):
         master_correction: keep fp32 master weights for bfloat16 parameters as the state
             ``master_correction`` in this codec: ``corr16`` (exact fp32 master, 2 bytes per
             element), ``corr8`` (16-bit significand, 1 byte) or ``fp32``; None (default): off.
-            Used from the first step (no warmup); see :mod:`optstate_core.master_weights`.
+            Used from the first step (no warmup); see :mod:`optstate_core.state.master_weights`.
         master_tier: where ``master_correction`` lives: ``"device"`` or ``"host"`` (pinned host
             memory; it streams through the staging ring at each update while the moments stay
             where ``device_resident`` says); None (default): with the moments.

@@ -9,7 +9,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .codecs import Codec, Int4Codec, Int8Codec
+from .state.codecs import Codec, Int4Codec, Int8Codec
 from .optimizer import VirtualOptimizer
 from .policy import Policy, WarmupPolicy
 

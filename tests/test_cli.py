@@ -173,7 +173,7 @@ def test_finetune_runs_start_from_the_pretrained_checkpoint(tmp_path):
     cfg = demo.DemoConfig(steps=2, batch_size=2, seq_len=16, d_model=64, n_layers=1, n_heads=2, eval_every=2,
                           eval_batches=1, warmup_steps=1, max_bytes=50000, device="cpu")
     text = tmp_path / "tune.py"
-    text.write_bytes((ROOT / "optstate_core" / "engine.py").read_bytes())
+    text.write_bytes((ROOT / "optstate_core" / "optimizer.py").read_bytes())
     tuned = demo.load_corpus(str(text), cfg.max_bytes)
     state = convergence.pretrain(cfg, 30, demo.load_corpus(None, cfg.max_bytes), progress=False)
     torch.manual_seed(123)
@@ -193,7 +193,7 @@ def test_finetune_runs_start_from_the_pretrained_checkpoint(tmp_path):
 
 def test_finetune_command(tmp_path, capsys):
     text = tmp_path / "tune.py"
-    text.write_bytes((ROOT / "optstate_core" / "engine.py").read_bytes())
+    text.write_bytes((ROOT / "optstate_core" / "optimizer.py").read_bytes())
     assert cli.main(["bench", "--convergence", "--finetune", "--pretrain-steps", "3", "--finetune-data", str(text),
                      "--finetune-lr", "1e-4", "--seeds", "2", *TINY, "--steps", "2", "--presets", "8bit"]) == 0
     printed = capsys.readouterr().out

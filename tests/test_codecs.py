@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.codecs.int4 import int4_levels
-from optstate_core.codecs.rounding import RoundingContext
+from optstate_core.state.codecs.int4 import int4_levels
+from optstate_core.state.codecs.rounding import RoundingContext
 
 
 def heavy_tailed(rows=64, cols=1000, seed=0):
@@ -157,7 +157,7 @@ def test_get_codec_aliases():
 def test_rounding_stream_is_the_documented_32_bit_formula():
     """The torch rounding bits (int32 arithmetic since 2026-11-23) are the stream of the scalar
     formula the Triton kernels also compute, for indices past 2**32 and keys past 2**31 too."""
-    from optstate_core.codecs.rounding import ELEMENT_MULT, MASK32, mix32, random_bits
+    from optstate_core.state.codecs.rounding import ELEMENT_MULT, MASK32, mix32, random_bits
 
     def scalar(key, i):
         x = (((i & MASK32) ^ key) + mix32(i >> 32)) & MASK32
@@ -182,8 +182,8 @@ def test_rounding_stream_is_the_documented_32_bit_formula():
 
 
 def test_arithmetic_decodes_equal_the_tables_bit_for_bit():
-    from optstate_core.codecs.int4 import Int4Codec
-    from optstate_core.codecs.int8 import MinifloatMap
+    from optstate_core.state.codecs.int4 import Int4Codec
+    from optstate_core.state.codecs.int8 import MinifloatMap
     codes = torch.arange(256, dtype=torch.uint8)
     for signed in (True, False):
         for exp_bits in range(1, 7):
@@ -202,7 +202,7 @@ def test_int4_nearest_by_arithmetic_equals_the_midpoint_search(signed, power):
     """Nearest 4-bit codes of integer-power levels are computed by arithmetic (a rounded root,
     then one comparison with a midpoint); at every midpoint, up to three float32 steps either
     side, the ends, zeros, tiny values and random values they are ``bucketize``'s codes."""
-    from optstate_core.codecs.int4 import Int4Codec
+    from optstate_core.state.codecs.int4 import Int4Codec
     codec = Int4Codec(signed=signed, power=power)
     assert codec.integer_power == power
     mids, low = codec.midpoints, -1.0 if signed else 0.0
@@ -226,7 +226,7 @@ def test_int4_stochastic_bracket_equals_the_table_search(power):
     by arithmetic in the level domain (level j is j**p); at every level, one float32 step either
     side, and random values in [0, 15**p] it gives the table search's level index and the integer
     levels, bit for bit."""
-    from optstate_core.codecs.int4 import Int4Codec
+    from optstate_core.state.codecs.int4 import Int4Codec
     codec = Int4Codec(signed=False, power=power, stochastic_rounding=True)
     assert codec.integer_power == power and codec.level_domain == 15.0 ** power
     levels = torch.arange(16, dtype=torch.float64).pow(power).float()
@@ -247,8 +247,8 @@ def test_int4_level_domain_rounding_is_unbiased_and_lands_on_the_bracket():
     one of the two levels around its value (a positive value never 0), and over many draws the
     decoded mean matches the value within 5 standard errors of the two-level draw (above the first
     positive level; below it the code is 1, never 0)."""
-    from optstate_core.codecs.int4 import Int4Codec
-    from optstate_core.codecs.rounding import RoundingContext, stream_key
+    from optstate_core.state.codecs.int4 import Int4Codec
+    from optstate_core.state.codecs.rounding import RoundingContext, stream_key
     codec = Int4Codec(signed=False, stochastic_rounding=True)
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(1, 256, generator=gen) ** 4
@@ -276,7 +276,7 @@ def test_pack_nibbles_puts_element_2i_in_the_low_nibble(cols):
     """4-bit codes packed two per byte (eight at a time through an int64 view when the row holds a
     multiple of 8) are the element-by-element packing, and unpacking (eight at a time when the row
     has a multiple of 4 bytes) and the codec's decode give the codes back."""
-    from optstate_core.codecs.int4 import Int4Codec, pack_nibbles, unpack_nibbles
+    from optstate_core.state.codecs.int4 import Int4Codec, pack_nibbles, unpack_nibbles
     codes = torch.randint(0, 16, (5, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(cols))
     padded = torch.nn.functional.pad(codes, (0, cols % 2))
     expected = padded[:, 0::2] + padded[:, 1::2] * 16

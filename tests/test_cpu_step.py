@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core import cpu_compile, cpu_step
+from optstate_core.step import cpu_compile, cpu_step
 
 # 1-D, rows of whole 256-blocks, rows shorter than a block, odd and ragged widths
 SHAPES = [(512,), (64, 512), (48, 128), (9, 300), (5, 1001)]
@@ -198,7 +198,7 @@ def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shape
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_finite_flags_match_the_infinity_norm(dtype):
-    from optstate_core.gradients import GRAD_OVERFLOW, finite_flags
+    from optstate_core.step.gradients import GRAD_OVERFLOW, finite_flags
     grads = [torch.randn(40, 70, dtype=dtype) for _ in range(6)] + [torch.full((3,), 1e30, dtype=torch.float64),
                                                                      torch.full((3,), -1e18, dtype=torch.float64)]
     grads[1][3, 4] = float("nan")
@@ -225,7 +225,7 @@ def test_bucketize_by_counting_is_torch_bucketize(n):
 def test_each_stepper_has_its_own_code_object(monkeypatch):
     """dynamo counts its recompile limit (8) per code object: steppers for different codec pairs
     and widths must not share one, or a model with many would silently fall back to eager."""
-    from optstate_core.codecs.int8 import Int8Codec
+    from optstate_core.state.codecs.int8 import Int8Codec
     monkeypatch.setattr(cpu_step, "_STEPPERS", {})
     m, v = Int8Codec().specialize(False), Int8Codec().specialize(True)
     steppers = [cpu_step._stepper(m, v, maximize, narrow, width, compiled=False, batch=batch)
@@ -277,7 +277,7 @@ def test_eager_batches_of_any_size_are_bit_identical(monkeypatch, size):
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_codecs_take_slices_of_no_rows(codec):
     """The compiled step pads a short batch with empty slices: every codec op must accept 0 rows."""
-    from optstate_core.codecs import get_codec
+    from optstate_core.state.codecs import get_codec
     c = get_codec(codec).specialize(True)
     empty = torch.zeros(0, 256)
     enc = c.encode(empty)

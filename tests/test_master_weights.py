@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.codecs import Correction8Codec, Correction16Codec
-from optstate_core.master_weights import MASTER_KEY, MAX_MAGNITUDE, cast_model, join, split
+from optstate_core.state.codecs import Correction8Codec, Correction16Codec
+from optstate_core.state.master_weights import MASTER_KEY, MAX_MAGNITUDE, cast_model, join, split
 
 
 def fp32_ulp(x):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core import engine as engine_module
-from optstate_core.engine import Engine
+from optstate_core.schedule import engine as engine_module
+from optstate_core.schedule.engine import Engine
 from helpers import batch, flat_params, mlp
 from test_invariants import same_state, snapshot
 
@@ -62,7 +62,7 @@ def test_a_backward_check_describes_only_the_unchanged_gradient():
     """backward_check.py uses a maximum taken in backward only for the very tensor it saw:
     same object, storage and version; any in-place change, a new tensor or a swapped storage
     sends the gradient back to the step's own check."""
-    from optstate_core.backward_check import _Seen
+    from optstate_core.step.backward_check import _Seen
     g = torch.randn(8, 8)
     seen = _Seen(g, g.abs().max().reshape(1), 0)
     assert seen.describes(g)

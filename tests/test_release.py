@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.master_weights import cast_model
+from optstate_core.state.master_weights import cast_model
 
 
 def _model(seed=0):

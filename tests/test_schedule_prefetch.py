@@ -324,7 +324,7 @@ def test_slabs_stage_several_parameters_in_merged_copies(slab_bytes, monkeypatch
     """Backward stages the bucket's parameters in slabs: by default both weights share one slab
     whose copies merge adjacent host rows (fewer ranges than payload slots); with a tiny slab size
     each parameter gets its own. Either way the steps stay bit-identical to resident state."""
-    from optstate_core import prefetch
+    from optstate_core.schedule import prefetch
     if slab_bytes is not None:
         monkeypatch.setattr(prefetch, "SLAB_BYTES", slab_bytes)
     model, opt, twin, ref = twins()
@@ -373,7 +373,7 @@ def test_slab_not_filled_in_backward_uploads_in_step():
 def test_slab_plan_copies_whole_or_per_parameter():
     """A slab plan's merged copies move exactly the host payload bytes into the layout; copying
     one parameter's ranges leaves the other's region untouched."""
-    from optstate_core.stage_plan import slab_plan
+    from optstate_core.schedule.stage_plan import slab_plan
     model, opt, _, _ = twins()
     for step in range(3):
         backward(model, batch(step))

@@ -9,7 +9,7 @@ import torch
 
 import optstate_core as oc
 from helpers import flat_params
-from optstate_core.stage_plan import Layout
+from optstate_core.schedule.stage_plan import Layout
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU tensors take the fused path only under TRITON_INTERPRET")

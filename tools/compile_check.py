@@ -11,8 +11,8 @@ import triton
 import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 
-from optstate_core.kernels.adam import adam_kernel, advance_steps_kernel, bias_corrections_kernel
-from optstate_core.kernels.sgd import sgd_kernel
+from optstate_core.step.kernels.adam import adam_kernel, advance_steps_kernel, bias_corrections_kernel
+from optstate_core.step.kernels.sgd import sgd_kernel
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--arch", type=int, default=90)

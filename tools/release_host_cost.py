@@ -36,7 +36,7 @@ class _NoKernel:
 
 
 def stub_kernels() -> None:
-    from optstate_core.kernels import adam
+    from optstate_core.step.kernels import adam
     for name in ("adam_kernel", "bias_corrections_kernel", "advance_steps_kernel"):
         setattr(adam, name, _NoKernel())
 

@@ -21,7 +21,7 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from optstate_core.kernels.adam import adam_kernel  # noqa: E402
+from optstate_core.step.kernels.adam import adam_kernel  # noqa: E402
 
 SCALARS = {"STEP": "*i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "ln_beta1": "fp32",
            "ln_beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "eps": "fp32",

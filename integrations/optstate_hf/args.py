@@ -72,7 +72,7 @@ def _tol(text) -> float:
 
 
 def _clip_mode(text) -> str:
-    from optstate_core.release import CLIP_MODES
+    from optstate_core.schedule.release import CLIP_MODES
     s = str(text).strip().lower()
     if s not in CLIP_MODES:
         raise ValueError(f"must be one of {', '.join(CLIP_MODES)}")

@@ -288,7 +288,7 @@ def run(args) -> int:
     rates = copy_bandwidths(device)
     bandwidth = (rates["mean"], rates["duplex"])
     rows = []
-    from .. import fused_launch as fused
+    from ..step import fused_launch as fused
     shapes_to_try = [None]
     if args.tune:
         shapes_to_try = [tune_shape(item) for item in args.tune.split(",")]

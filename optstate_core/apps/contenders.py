@@ -115,7 +115,7 @@ def hint_bytes_per_param(c: Contender) -> float:
     fixed = {"adamw": 18.0, "bnb8": 12.0, "ao_offload": 6.0, "flashoptim": 7.0, "none": 6.0, "none-bf16": 2.0}
     if c.base in fixed:
         return fixed[c.base] - (2.0 if c.release else 0.0)
-    from ..codecs import get_codec
+    from ..state.codecs import get_codec
     from ..presets import PRESETS
     spec = PRESETS[c.preset]
     moment = {"fp32": 4.0, "bf16": 2.0, "int4": 0.5}

@@ -109,7 +109,7 @@ def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: 
     n_params = sum(p.numel() for p in model.parameters())
     from ..presets import has_master_weights
     if has_master_weights(preset):  # bf16 parameters; the optimizer keeps the fp32 masters
-        from ..master_weights import cast_model
+        from ..state.master_weights import cast_model
         cast_model(model)
     opt = build_optimizer(model, cfg, preset)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))

@@ -180,9 +180,9 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
     (parameter, state key); ``preset=None`` is the unwrapped torch optimizer (raw tensors). A
     preset with master weights sees bf16 parameters, keeps its state in fp32 and adds the
     ``master_correction`` state."""
-    from ..codecs import FP32Codec
-    from ..codecs.base import slab_shape
-    from ..master_weights import MASTER_KEY
+    from ..state.codecs import FP32Codec
+    from ..state.codecs.base import slab_shape
+    from ..state.master_weights import MASTER_KEY
     from ..policy import ParamInfo
     from ..presets import has_master_weights, make_policy
     policy = make_policy(preset) if preset is not None else None
@@ -330,7 +330,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args) -> Plan:
     from .demo import parse_presets
-    from ..units import parse_bytes
+    from ..state.units import parse_bytes
     gpu = parse_bytes(args.gpu_memory, "--gpu-memory")
     activations = 0 if str(args.activations).strip() in ("0", "") else parse_bytes(args.activations, "--activations")
     if args.config:

@@ -184,7 +184,7 @@ def train_bf16(model, opt, steps, rank=0, world=1, first=0):
 
 def fsdp_master_job(rank, world, tmp):
     """FSDP2 over bf16 parameters whose masters are optimizer state (sharded like the moments)."""
-    from optstate_core.master_weights import MASTER_KEY
+    from optstate_core.state.master_weights import MASTER_KEY
 
     init(rank, world, tmp)
 

@@ -46,7 +46,7 @@ def test_misaligned_1d_shards_stay_uncompressed():
     global shape and mesh size, so every rank agrees)."""
     from types import SimpleNamespace
 
-    from optstate_core.dtensor import slab_placements
+    from optstate_core.state.dtensor import slab_placements
     from torch.distributed.tensor import Shard
 
     mesh = SimpleNamespace(size=lambda dim=0: 2)
@@ -129,7 +129,7 @@ def test_fsdp2_with_master_weights_as_state(tmp_path):
     bf16 gradients summed in another order differ in their last bits; Adam normalizes, so an
     element whose gradient is near zero may move by up to a learning rate either way (one
     process with the batch in two accumulated halves differs from one pass just as much)."""
-    from optstate_core.master_weights import MASTER_KEY
+    from optstate_core.state.master_weights import MASTER_KEY
 
     spawn(dist_jobs.fsdp_master_job, tmp_path)
     out = torch.load(tmp_path / "fsdp_master_result.pt", weights_only=False)

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("transformers")
 
 import optstate_core as oc  # noqa: E402
-from optstate_core.master_weights import MASTER_KEY  # noqa: E402
+from optstate_core.state.master_weights import MASTER_KEY  # noqa: E402
 import optstate_hf  # noqa: E402,F401
 from hf_testlib import flat_params, make_trainer, one_thread, tiny_model  # noqa: E402,F401
 

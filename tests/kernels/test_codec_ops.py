@@ -3,15 +3,15 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.codecs.rounding import RoundingContext
+from optstate_core.state.codecs.rounding import RoundingContext
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from optstate_core.kernels import launch  # noqa: E402
-from optstate_core.kernels.adam import program_tile, tile_offsets  # noqa: E402
-from optstate_core.kernels.codec_ops import load_state, store_state  # noqa: E402
-from optstate_core.fused import state_kind  # noqa: E402
+from optstate_core.step.kernels import launch  # noqa: E402
+from optstate_core.step.kernels.adam import program_tile, tile_offsets  # noqa: E402
+from optstate_core.step.kernels.codec_ops import load_state, store_state  # noqa: E402
+from optstate_core.step.fused import state_kind  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NBLK = 2

@@ -13,7 +13,7 @@ import torch
 
 import optstate_core as oc
 from helpers import bf16_param_list
-from optstate_core.master_weights import MASTER_KEY, join
+from optstate_core.state.master_weights import MASTER_KEY, join
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

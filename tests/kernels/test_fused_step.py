@@ -294,7 +294,7 @@ def test_sgd_nonfinite_gradient_skips_its_block():
 def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, codecs):
     """ITERS tiles per program (a loop in the kernel), or NBLK tiles side by side, give
     bit-identical parameters and states."""
-    from optstate_core import fused_launch
+    from optstate_core.step import fused_launch
 
     out = []
     for shape in shapes:
@@ -317,7 +317,7 @@ def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, code
 def test_bad_launch_shape_override_names_the_variable(name, value):
     """A launch-shape environment override that is not a count fails at import, naming the variable."""
     env = dict(os.environ, **{name: value})
-    done = subprocess.run([sys.executable, "-c", "import optstate_core.fused_launch"], env=env,
+    done = subprocess.run([sys.executable, "-c", "import optstate_core.step.fused_launch"], env=env,
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                               os.path.abspath(__file__)))))
     assert done.returncode != 0

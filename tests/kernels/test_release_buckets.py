@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.master_weights import cast_model
+from optstate_core.state.master_weights import cast_model
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

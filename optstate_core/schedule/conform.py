@@ -1,0 +1,103 @@
+"""State in the form the policy wants: allocation of target forms, and re-storing without an update
+(after a load, a policy switch, ``offload()``/``reload()``)."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from ..state.codecs import EncodedTensor
+from ..state.dtensor import is_dtensor, like_param, local
+from ..state.store import allocate, allocate_many, is_scalar_state, matches
+from ..step.work import Work
+
+
+class Conformer:
+    """Decides whether a parameter's stored state has the wanted codec/tier, and makes it so."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def needs_tiles(self, w: Work) -> bool:
+        """Whether the parameter must go through tiles (its state is encoded or changes form)."""
+        engine = self.engine
+        tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v)}
+        if not tensors:  # first step: tiles unless the state will be plain device tensors
+            return engine.policy.may_compress(w.info, engine.step_count) or engine.tier_of(w, "") == "host"
+        for key, value in tensors.items():
+            if isinstance(value, EncodedTensor):
+                return True
+            codec = engine.codec_of(w, key)
+            host = engine.tier_of(w, key) == "host"
+            if not matches(value, codec, host, w.param.device):
+                return True
+        return False
+
+    def preallocate(self, works: List[Work]) -> None:
+        """Destinations for states that change form this step, one allocation per form."""
+        engine = self.engine
+        wanted: Dict[tuple, list] = {}
+        for w in works:
+            for key, value in w.state.items():
+                if is_scalar_state(value) or tuple(local(value).shape) != tuple(w.param.shape):
+                    continue
+                codec = engine.codec_of(w, key)
+                host = engine.tier_of(w, key) == "host"
+                if not matches(value, codec, host, w.param.device):
+                    wanted.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key))
+        for (codec, host, device, dtype), items in wanted.items():
+            pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
+            values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin)
+            for (w, key), value in zip(items, values):
+                w.dest[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
+                    else value
+
+    def destination(self, w: Work, key: str, value: torch.Tensor):
+        engine = self.engine
+        codec = engine.codec_of(w, key)
+        host = engine.tier_of(w, key) == "host"
+        current = w.state.get(key)
+        if current is not None and matches(current, codec, host, w.param.device):
+            return current
+        pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
+        dest = allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin)
+        return like_param(w.key, dest) if isinstance(dest, torch.Tensor) and is_dtensor(w.key) else dest
+
+    def conform(self, params=None) -> None:
+        """Re-store state in the form the policy wants now (no update), tile by tile; a state
+        that only changes tier is copied as it is."""
+        engine = self.engine
+        engine.invalidate_plan()
+        engine.sync_transfers()
+        wanted = None if params is None else {id(p) for p in params}
+        works = []
+        for p, info in engine.param_infos():
+            if p in engine.state and (wanted is None or id(p) in wanted):
+                w = Work(p, info, engine.state[p])
+                if any(not is_scalar_state(v) for v in w.state.values()) and self.needs_tiles(w):
+                    works.append(w)
+        works = self.retier(works)
+        if works:
+            engine.tiled.run(works, update=False)
+
+    def retier(self, works: List[Work]) -> List[Work]:
+        """Move encoded states whose codec stays the same by copying their payload; return the
+        works that still need a re-encode."""
+        engine = self.engine
+        moves: Dict[tuple, list] = {}
+        for w in works:
+            for key, value in w.state.items():
+                if not isinstance(value, EncodedTensor):
+                    continue
+                codec = engine.codec_of(w, key)
+                host = engine.tier_of(w, key) == "host"
+                if value.codec == codec and not matches(value, codec, host, w.param.device):
+                    moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value))
+        for (codec, host, device, dtype), items in moves.items():
+            pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
+            for (w, key, src), dst in zip(items, allocate_many(codec, [v.shape for _, _, v in items], dtype,
+                                                                device, host, pin)):
+                for name, t in dst.payload.items():
+                    t.copy_(src.payload[name])
+                w.state[key] = dst
+        return [w for w in works if self.needs_tiles(w)]

@@ -1,0 +1,321 @@
+"""The engine: one wrapped optimizer's state mapping, and the orchestration of one step.
+
+A step of :class:`~optstate_core.optimizer.VirtualOptimizer` goes through here:
+
+1. validate every gradient (:mod:`~optstate_core.step.gradients`; a rejected step leaves parameters,
+   state and groups untouched), then sort each parameter onto a path;
+2. parameters whose state is all raw, device-resident and meant to stay so ("passthrough") are
+   stepped by the inner optimizer in one call, on the real tensors: bit-identical to the
+   unwrapped optimizer at its own speed;
+3. parameters the Triton kernels can take are grouped into buckets (:mod:`~optstate_core.step.fused`)
+   and handed to the step schedule (:mod:`~optstate_core.schedule.timetable`), which launches them
+   (:mod:`~optstate_core.step.fused_launch`) and moves offloaded state;
+4. the rest goes through the tiled reference step (:mod:`~optstate_core.step.tiled`).
+
+Codec and tier per state come from :mod:`~optstate_core.schedule.placement`; re-storing state in the wanted
+form from :mod:`~optstate_core.schedule.conform`. A plan that nothing invalidated is reused next step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from itertools import chain, repeat
+from operator import attrgetter, is_, is_not, methodcaller
+from typing import Dict, Optional
+
+import torch
+
+from .conform import Conformer
+from ..step import passthrough_skip
+from ..step.backward_check import BackwardCheck
+from ..step.cpu_step import groups_still_eligible, plan_cpu_fast, run_cpu_plans
+from .follow import follow_params, remember_params
+from ..step.fused import FusedPath
+from ..step.fused_launch import KernelLauncher
+from ..step.gradients import all_finite, collect, split_nonfinite
+from ..step.inner import ELEMENTWISE, group_signature, run_inner
+from .placement import Placement
+from ..policy import ParamInfo, Policy
+from .timetable import StepSchedule
+from ..state.store import StateMap
+from ..step.tiled import TiledStep
+from .transfer import Transfers
+from ..step.work import StepMetrics, Work, describe_param
+
+log = logging.getLogger("optstate")
+
+_GRAD, _DTYPE, _DEVICE, _SHAPE, _LAYOUT = (attrgetter(a) for a in ("grad", "dtype", "device", "shape", "layout"))
+_CONTIGUOUS = methodcaller("is_contiguous")
+
+
+class Engine:
+    """Holds the state mapping and runs steps for one wrapped optimizer."""
+
+    def __init__(self, inner: torch.optim.Optimizer, policy: Policy, *, chunk_bytes: int, chunk_size: Optional[int],
+                 initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
+                 elementwise: Optional[bool], names: Dict[int, str], fused: Optional[bool] = None,
+                 stochastic_param_rounding: bool = False, gpu_budget=None, staging_bytes: int = 256 * 2**20,
+                 prefetch_budget="auto"):
+        self.inner = inner
+        self.policy = policy
+        self.state = StateMap()
+        self.step_count = 0
+        self.chunk_bytes = chunk_bytes
+        self.chunk_size = chunk_size
+        self.initial_chunk_size = initial_chunk_size
+        self.pin_memory = pin_memory
+        self.skip_nonfinite = skip_nonfinite
+        self.seed = seed
+        self.elementwise = isinstance(inner, ELEMENTWISE) if elementwise is None else bool(elementwise)
+        self.names = names
+        self.observe_closure_loss = True
+        self.metrics = StepMetrics()
+        self.transfers = Transfers()
+        self.placement = Placement(policy, gpu_budget, staging_bytes)
+        self.conformer = Conformer(self)
+        self.tiled = TiledStep(self)
+        self.fused = FusedPath(self, fused)
+        self.kernels = KernelLauncher(self, stochastic_param_rounding)
+        self.schedule = StepSchedule(self, prefetch_budget)
+        self.backward_check = BackwardCheck()
+        self.check_in_backward = False  # wrap(check_in_backward=...)
+        self._plan_cache = None
+        self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
+        self._nonfinite_reported = 0
+
+    @property
+    def prefetch_during_backward(self) -> bool:
+        """Whether offloaded state may upload during backward (a prefetch budget other than 0)."""
+        return self.schedule.area.enabled
+
+    @property
+    def boundary(self):
+        """Whether the coming backward ends in a step (see :class:`~optstate_core.schedule.timetable.StepBoundary`)."""
+        return self.schedule.boundary
+
+    def codec_of(self, w: Work, key: str):
+        """The codec of state ``key`` of a parameter at this step (see :class:`Placement`)."""
+        return self.placement.codec_of(w, key, self.step_count)
+
+    def tier_of(self, w: Work, key: str) -> str:
+        """The tier of state ``key`` of a parameter at this step (see :class:`Placement`)."""
+        return self.placement.tier_of(w, key, self.step_count)
+
+    # -- the parameters, as they are now ------------------------------------------------------
+    def param_infos(self):
+        """``(param, ParamInfo)`` for every parameter of the live groups, in checkpoint order."""
+        index = 0
+        for gi, group in enumerate(self.inner.param_groups):
+            names = group.get("param_names")
+            for j, p in enumerate(group["params"]):
+                name = names[j] if names and j < len(names) else self.name_of(p)
+                yield p, ParamInfo(index, gi, tuple(p.shape), p.dtype, name)
+                index += 1
+
+    def name_of(self, p) -> Optional[str]:
+        """``wrap(named_parameters=...)`` first, then names the policy learned (``bind_names``)."""
+        name = self.names.get(id(p))
+        if name is None and hasattr(self.policy, "name_of"):
+            name = self.policy.name_of(p)
+        return name
+
+    def _drop_nonfinite(self, works):
+        """The works (or CPU plans) whose gradients are finite; the others are counted and reported."""
+        kept, skipped = split_nonfinite(works)
+        if skipped:
+            self.nonfinite_host += len(skipped)
+            log.warning("step %d: non-finite gradient (NaN, inf or |g| >= 2**64), update skipped for %s",
+                        self.step_count,
+                        ", ".join(describe_param(w.info) for w in skipped))
+        self.metrics.nonfinite_skipped = len(skipped)
+        return kept
+
+    # -- a step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        signature = self._signature()  # parameters' dtype and device included: a cast misses the cache
+        cached = self._cached_plan(signature)
+        if cached is None:
+            follow_params(self)  # parameters cast or moved since their last step: state follows (or a clear refusal)
+        self.metrics = StepMetrics()
+        self.transfers.reset()
+        if cached is None:
+            buckets = self._plan_and_run(signature)
+            remember_params(self)
+        else:
+            buckets, passthrough, on_device, cpu_plans = cached
+            if passthrough:
+                t = time.perf_counter()
+                self._run_passthrough(passthrough, on_device)
+                self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+            run_cpu_plans(self, cpu_plans)
+        if buckets:
+            t = time.perf_counter()
+            self.schedule.run(buckets)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        self.kernels.end_step()  # the device's step count (rounding stream) first
+        self.step_count += 1
+        self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
+        self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+
+    def _plan_and_run(self, signature):
+        """Plan this step from scratch; run the reference paths; return the fused buckets."""
+        works = collect(self.param_infos(), self.state)
+        self.placement.assign_residency(works, self.step_count)
+        passthrough, fused, tiled = [], [], []
+        for w in works:
+            if not self.conformer.needs_tiles(w) and self.policy.master_codec(w.info) is None:
+                passthrough.append(w)
+                continue
+            plan = self.fused.plan(w)
+            if plan is not None:
+                fused.append((w, plan))
+            else:
+                tiled.append(w)
+        if passthrough:
+            # uncompressed tensors next to fused ones (small-tensor bypass) go into the same
+            # launches, so the step needs no host synchronisation and no second optimizer; so do
+            # those the kernel steps exactly as torch's fused Adam(W) (NaN/inf skipped per block)
+            beside, still = bool(fused), []
+            for w in passthrough:
+                plan = self.fused.takes_uncompressed(w, beside)
+                (fused.append((w, plan)) if plan is not None else still.append(w))
+            passthrough = still
+        on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
+        self._check_in_backward([w.key for w in passthrough] if on_device and passthrough[0].key.is_cuda else [])
+        cpu_plans, tiled = plan_cpu_fast(self, tiled)  # cpu_step.py: Adam/AdamW on encoded CPU state
+        checked = (tiled if on_device else passthrough + tiled) + cpu_plans  # the fused paths skip on the device
+        if self.skip_nonfinite and checked:
+            kept = {id(w) for w in self._drop_nonfinite(checked)}
+            passthrough = [w for w in passthrough if on_device or id(w) in kept]
+            tiled = [w for w in tiled if id(w) in kept]
+            cpu_plans = [c for c in cpu_plans if id(c) in kept]
+        buckets = self.fused.build(fused) if fused else []
+        items = [(w.key, w.state, w.info.group_index) for w in passthrough]
+        if items:
+            t = time.perf_counter()
+            self._run_passthrough(items, on_device)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        run_cpu_plans(self, cpu_plans)
+        if tiled:
+            self.tiled.run(tiled, update=True)
+        cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
+            and len(fused) + len(passthrough) + len(cpu_plans) == len(works)
+        params = [k for b in buckets for k in b.keys] + [p for p, _, _ in items] + [c.key for c in cpu_plans]
+        self._plan_cache = (signature, buckets, items, self._state_identity(params), on_device, cpu_plans) \
+            if cacheable else None
+        self.schedule.index_offloaded(buckets if cacheable else [])
+        return buckets
+
+    def _check_in_backward(self, params) -> None:
+        """Have later steps' gradients of ``params`` (and no others) checked for NaN/inf in
+        backward (:mod:`~optstate_core.step.backward_check`): only with ``check_in_backward=True`` and not
+        under gradient release, whose hooks consume the gradients."""
+        release = getattr(self, "gradient_release", None)
+        if not self.check_in_backward or (release is not None and release.release):
+            params = []
+        self.backward_check.watch(params)
+        self.schedule.register_hooks(params)
+
+    def _signature(self):
+        """What a cached plan depends on besides the state objects: the parameters with
+        gradients, group options that change eligibility, and the policy's decisions now.
+        (Per-parameter fields are gathered with ``map``: this runs before every cached step.)"""
+        parts = []
+        for g in self.inner.param_groups:
+            ps = g["params"]
+            parts.append((group_signature(g), tuple(map(id, ps)), tuple(map(is_not, map(_GRAD, ps), repeat(None))),
+                          tuple(map(_DTYPE, ps)), tuple(map(_DEVICE, ps))))
+        return tuple(parts), self.policy.decision_key(self.step_count), self.skip_nonfinite
+
+    def _state_identity(self, params):
+        """The cached plan's parameters, their state dicts, those dicts' values (all of them, in
+        order), their shapes and dtypes (every gradient must have them too)."""
+        states = [self.state.get(p) for p in params]
+        return (params, states, tuple(chain.from_iterable(map(dict.values, states))), list(map(_SHAPE, params)),
+                list(map(_DTYPE, params)))
+
+    def _cached_plan(self, signature):
+        """The previous step's plan (fused buckets, passthrough items) if nothing it depends on
+        changed; only cheap identity checks. The full path validates and explains otherwise."""
+        cache = self.__dict__.get("_plan_cache")
+        if cache is None or cache[0] != signature:
+            return None
+        _, buckets, items, (params, states, values, shapes, dtypes), on_device, cpu_plans = cache
+        now = tuple(chain.from_iterable(map(dict.values, states)))  # every state value: the very same objects
+        if not all(map(is_, map(self.state.get, params), states)) or len(now) != len(values) or \
+                not all(map(is_, now, values)) or list(map(_SHAPE, params)) != shapes:
+            return None
+        grads = list(map(_GRAD, params))
+        if list(map(_SHAPE, grads)) != shapes or list(map(_DTYPE, grads)) != dtypes or \
+                list(map(_LAYOUT, grads)).count(torch.strided) != len(grads) or not all(map(_CONTIGUOUS, grads)):
+            return None
+        if cpu_plans and not groups_still_eligible(self, cpu_plans):
+            return None
+        checked = ([] if on_device else [p.grad for p, _, _ in items]) + [c.grad for c in cpu_plans]
+        if checked and self.skip_nonfinite and not all_finite(checked):
+            return None  # rare: the full path skips and reports the parameters
+        self.metrics.nonfinite_skipped = 0
+        return buckets, items, on_device, cpu_plans
+
+    def _run_passthrough(self, items, on_device: bool) -> None:
+        """The inner optimizer's own step on uncompressed parameters; NaN/inf skipped on the device
+        when ``on_device`` (:mod:`~optstate_core.step.passthrough_skip`), else already dropped by the caller."""
+        if on_device:
+            passthrough_skip.run(self, items)
+        else:
+            run_inner(self.inner, items, self.state)
+
+    def invalidate_plan(self) -> None:
+        """Forget the cached step plan (after loading state or moving it between tiers)."""
+        self._plan_cache = None
+        self.schedule.index_offloaded([])
+        if self.schedule.release is not None:  # gradient release keeps a bucket per parameter
+            self.schedule.release.forget_buckets()
+
+    # -- whole-state moves -----------------------------------------------------------------------
+    def sync_transfers(self) -> None:
+        """Wait for queued write-backs of offloaded state (before reading or replacing it)."""
+        self.schedule.sync()
+
+    def offload(self) -> None:
+        """Move every state to host memory (idempotent)."""
+        self.sync_transfers()
+        self.placement.force_tier = "host"
+        self.conformer.conform()
+
+    def reload(self) -> None:
+        """Bring state back to the device as far as the policy and the GPU budget allow."""
+        self.sync_transfers()
+        self.placement.force_tier = None
+        self.placement.resident = None
+        if self.placement.gpu_budget is not None:
+            works = [Work(p, info, self.state[p]) for p, info in self.param_infos() if p in self.state]
+            self.placement.assign_residency(works, self.step_count)
+        self.conformer.conform()
+
+    def close(self) -> None:
+        """Release staging memory, streams and all state (pinned buffers included)."""
+        self.schedule.close()
+        self.kernels.close()
+        self.invalidate_plan()
+        self.state.clear()
+
+    def nonfinite_skipped(self) -> int:
+        """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""
+        device = self.kernels.nonfinite_device
+        total = self.nonfinite_host + (int(device.item()) if device is not None else 0)
+        if device is not None and total > self._nonfinite_reported:
+            log.warning("optstate: %d parameter updates skipped for non-finite gradients so far",
+                        total)
+        self._nonfinite_reported = total
+        return total
+
+    def restore_nonfinite_count(self, count: int) -> None:
+        """Set the NaN/inf skip count (from a checkpoint); the device counter starts again."""
+        self.nonfinite_host = count
+        self.kernels.nonfinite_device = None
+
+    def conform(self, params=None) -> None:
+        """Re-store state in the form the policy wants now (see :class:`Conformer`)."""
+        self.conformer.conform(params)

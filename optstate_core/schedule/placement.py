@@ -1,0 +1,79 @@
+"""Where each state lives and in which codec: the policy's answer, FSDP2's block limits, the GPU budget."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..state.codecs import FP32Codec
+from ..state.dtensor import is_dtensor, slab_placements
+from ..policy import Policy
+from ..state.store import is_scalar_state
+from ..step.work import Work
+
+
+class Placement:
+    """Codec and tier per (parameter, state key, step); which parameters stay resident under a budget."""
+
+    def __init__(self, policy: Policy, gpu_budget=None, staging_bytes: int = 256 * 2**20):
+        self.policy = policy
+        self.gpu_budget = gpu_budget  # bytes (int), fraction of free GPU memory (float), or None
+        self.staging_bytes = staging_bytes
+        self.force_tier: Optional[str] = None  # "host" after offload()
+        self.offload_all = False
+        self.resident: Optional[set] = None  # ids of parameters kept on the device under the budget
+
+    def codec_of(self, w: Work, key: str, step: int):
+        """The policy's codec, unless the parameter's sharding cannot keep whole blocks per rank."""
+        codec = self.policy.codec_for(w.info, key, step)
+        if not codec.lossless and is_dtensor(w.key) and slab_placements(w.key) is None:
+            return FP32Codec()
+        return codec
+
+    def tier_of(self, w: Work, key: str, step: int) -> str:
+        """Where a state lives between steps: the policy's answer, then offload and the GPU budget."""
+        if self.force_tier is not None:
+            return self.force_tier
+        tier = self.policy.tier_for(w.info, key, step)
+        if self.offload_all:
+            return "host"
+        if tier == "device" and self.resident is not None and id(w.key) not in self.resident:
+            return "host"
+        return tier
+
+    def budget_bytes(self, device: torch.device) -> Optional[int]:
+        """The budget in bytes (a fraction is resolved against free GPU memory once)."""
+        if self.gpu_budget is None:
+            return None
+        if isinstance(self.gpu_budget, float):
+            if device.type != "cuda":
+                raise ValueError(f"gpu_budget={self.gpu_budget!r} is a fraction of free GPU memory, but the "
+                                 f"parameters are on {device}; give a byte count instead")
+            free = torch.cuda.mem_get_info(device)[0]
+            self.gpu_budget = int(free * self.gpu_budget)
+        return self.gpu_budget
+
+    def staging_size(self, device: torch.device) -> int:
+        """Bytes of the device staging ring that offloaded state streams through."""
+        budget = self.budget_bytes(device)
+        return self.staging_bytes if budget is None else max(4096, min(self.staging_bytes, budget // 2))
+
+    def assign_residency(self, works: List[Work], step: int) -> None:
+        """Under a GPU budget: keep state resident in step order while it fits beside the staging
+        ring; the rest streams from host memory every step."""
+        if self.gpu_budget is None or not works:
+            self.resident = None
+            return
+        device = works[0].param.device
+        room = self.budget_bytes(device) - self.staging_size(device)
+        resident = set()
+        for w in works:
+            keys = [k for k, v in w.state.items() if not is_scalar_state(v)] or ["exp_avg", "exp_avg_sq"]
+            need = 0
+            for key in keys:
+                codec = self.codec_of(w, key, step)
+                need += codec.nbytes(w.rows, w.cols, w.param.dtype if not codec.lossless else torch.float32)
+            if need <= room:
+                resident.add(id(w.key))
+                room -= need
+        self.resident = resident

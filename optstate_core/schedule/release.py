@@ -1,0 +1,246 @@
+"""Gradient release and gradient-norm clipping: update each parameter in backward, free its gradient.
+
+With ``release_gradients=True``, on the micro-batch that ends an accumulation window (the step
+boundary, :class:`~optstate_core.schedule.timetable.StepBoundary`) the step schedule's backward hook
+(phase 1) hands each parameter here as soon as its gradient is final: it is clipped, checked
+for NaN/inf, updated through the engine's usual paths, and its gradient is freed at once, so
+the model's gradients never all exist together. ``step()`` then only advances the step count
+(and updates any parameter whose gradient was not released); ``zero_grad()`` has nothing left.
+
+Clipping (``max_grad_norm``) cannot see the global norm before the first update when gradients
+are released, so ``clip_mode`` chooses:
+
+* ``"global"`` (only without release): torch's ``clip_grad_norm_`` over every gradient in
+  ``step()``, exactly as a training loop would;
+* ``"previous"`` (release default): every gradient of step t is scaled by
+  ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}`` is the previous step's
+  global norm (computed during its release pass, pre-clip); the first step clips per tensor.
+  Same direction as global clipping, one step late: a sudden spike passes unclipped once;
+* ``"per_tensor"``: each gradient is scaled so that its own norm is at most ``max_grad_norm``
+  (no lag, but the global norm may reach ``sqrt(n_tensors) * max_grad_norm``).
+
+``last_grad_norm`` is the global 2-norm of the last step's gradients before clipping (a tensor).
+
+Under FSDP2 the hook is the one FSDP2 calls on each sharded parameter after its reduce-scatter
+(on its post-reduce stream, so the update is ordered after the reduced gradient and before the
+next forward's all-gather): each rank updates its local shard. Norms are taken over local
+shards; the global norm (``last_grad_norm`` and the ``"previous"`` factor) sums their squares
+over the ranks in one all-reduce of one number per step, at the end of ``step()``. Clipping
+that needs a tensor's own norm before that (``"per_tensor"``, and the first step of
+``"previous"``) clips each local shard to ``max_grad_norm`` (without a collective per
+parameter). NaN/inf skipping is per 256-element block of the local shard (fused kernels) or per
+parameter across ranks (other paths), as without release.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import torch
+
+from ..state.dtensor import is_dtensor, local
+from ..step.gradients import collect
+from ..step.inner import group_signature, run_inner
+
+log = logging.getLogger("optstate")
+
+CLIP_MODES = ("auto", "global", "previous", "per_tensor")
+EPS = 1e-6
+
+
+def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
+    """Validate the clipping options; returns ``(max_grad_norm or None, effective mode)``."""
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
+                not max_grad_norm > 0 or max_grad_norm == float("inf"):
+            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        max_grad_norm = float(max_grad_norm)
+    if clip_mode not in CLIP_MODES:
+        raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}, got {clip_mode!r}")
+    if clip_mode == "auto":
+        clip_mode = "previous" if release else "global"
+    if release and clip_mode == "global":
+        raise ValueError("clip_mode='global' needs every gradient before the first update, which "
+                         "release_gradients=True frees in backward; use clip_mode='previous' or 'per_tensor'")
+    return max_grad_norm, clip_mode
+
+
+class GradientRelease:
+    """Per-parameter updates from the backward hook, and clipping for both modes of stepping."""
+
+    def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str):
+        self.engine = engine
+        self.release = release
+        self.max_grad_norm = max_grad_norm
+        self.clip_mode = clip_mode
+        self.last_grad_norm: Optional[torch.Tensor] = None  # global norm of the last step, pre-clip
+        self._scale: Optional[torch.Tensor] = None  # the previous step's clip factor ("previous")
+        self._norms = []  # this step's per-gradient norms so far (fp32 0-dim tensors, pre-clip)
+        self._scaled = None  # ``_scale`` cast for the gradients of this step: (device, dtype, tensor)
+        self._infos: Dict[int, object] = {}
+        self._buckets: Dict[int, tuple] = {}  # id(param) -> (its one-parameter bucket, _bucket_key)
+        self.released = 0  # parameters updated in backward this step
+        self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
+
+    # -- backward (phase 1 of the step schedule) ---------------------------------------------------
+    def __call__(self, param) -> None:
+        """Backward hook on the boundary micro-batch: clip, update this parameter, free its gradient."""
+        if param.grad is None:
+            return
+        info = self._info_of(param)
+        if info is None:
+            return
+        with torch.no_grad():
+            self._clip_one(param.grad)
+            self.step_params([(param, info)])
+        param.grad = None
+        self.released += 1
+
+    def _info_of(self, param):
+        info = self._infos.get(id(param))
+        if info is None:
+            self._infos = {id(p): i for p, i in self.engine.param_infos()}
+            info = self._infos.get(id(param))
+        return info
+
+    def step_params(self, items) -> None:
+        """Update these ``(param, ParamInfo)`` now through the engine's paths (no step count
+        advance: ``step()`` does that once). The fused kernels skip NaN/inf blocks on the device,
+        as in ``step()``; only the other paths check on the host (a synchronisation). A fused
+        parameter's one-parameter bucket is kept for its next release while nothing it depends
+        on changes (:meth:`_cached_bucket`)."""
+        engine = self.engine
+        fused, other, cached = [], [], []
+        for p, info in items:
+            bucket = self._cached_bucket(p)
+            if bucket is not None:
+                cached.append(bucket)
+                continue
+            for w in collect([(p, info)], engine.state):
+                passthrough = not engine.conformer.needs_tiles(w) and engine.policy.master_codec(w.info) is None
+                plan = None if passthrough else engine.fused.plan(w)
+                (fused.append((w, plan)) if plan is not None else other.append((w, passthrough)))
+        if other and engine.skip_nonfinite:
+            kept = {id(w) for w in engine._drop_nonfinite([w for w, _ in other])}
+            other = [(w, passthrough) for w, passthrough in other if id(w) in kept]
+        buckets = engine.fused.build(fused) if fused else []
+        if buckets or cached:
+            engine.schedule.run(cached + buckets)
+        for b in buckets:  # launched once: no longer a first step, so reusable
+            if len(b.keys) == 1:
+                self._buckets[id(b.keys[0])] = (b, self._bucket_key(b.keys[0]))
+        for w, passthrough in other:
+            if passthrough:
+                run_inner(engine.inner, [(w.key, w.state, w.info.group_index)], engine.state)
+            else:
+                engine.tiled.run([w], update=True)
+        engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
+
+    # -- the per-parameter bucket cache --------------------------------------------------------------
+    def _bucket_key(self, p):
+        """What a kept bucket depends on besides its state objects' identity (as the engine's
+        own plan cache: dtype, device, gradient form, group options, the policy's decisions)."""
+        engine, g = self.engine, p.grad
+        group = engine.inner.param_groups[self._info_of(p).group_index]
+        st = engine.state.get(p)
+        return (p.dtype, p.device, g.dtype, g.shape, g.layout, g.is_contiguous(), group_signature(group),
+                engine.policy.decision_key(engine.step_count),
+                engine.skip_nonfinite, id(st), tuple(map(id, st.values())) if st is not None else ())
+
+    def _cached_bucket(self, p):
+        entry = self._buckets.get(id(p))
+        if entry is None:
+            return None
+        bucket, key = entry
+        if bucket.keys[0] is not p or bucket.states[0] is not self.engine.state.get(p) or bucket.first \
+                or key != self._bucket_key(p):
+            del self._buckets[id(p)]
+            return None
+        return bucket
+
+    def forget_buckets(self) -> None:
+        """Drop the kept buckets (the engine's plan was invalidated: state loaded, moved or recast)."""
+        self._buckets.clear()
+
+    def __getstate__(self):
+        """Copies keep no buckets (their pointer tables address the original's memory)."""
+        state = dict(self.__dict__)
+        state.update(_buckets={}, _infos={})
+        return state
+
+    # -- clipping ----------------------------------------------------------------------------------
+    def _clip_one(self, grad: torch.Tensor) -> None:
+        grad = local(grad)  # FSDP2: the local shard (no collective per parameter)
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        self._norms.append(norm)  # one launch per gradient; summed once (norm_so_far, after_step)
+        if self.max_grad_norm is None:
+            return
+        if self.clip_mode == "previous" and self._scale is not None:
+            cached = self._scaled
+            if cached is None or cached[0] != grad.device or cached[1] != grad.dtype:
+                cached = self._scaled = (grad.device, grad.dtype, self._scale.to(grad.device, grad.dtype))
+            grad.mul_(cached[2])
+        else:  # per tensor (and the first step of "previous")
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + EPS), max=1.0).to(grad.dtype))
+
+    def _global_norm(self) -> Optional[torch.Tensor]:
+        """The 2-norm over this step's gradients so far; non-finite ones (skipped) do not count."""
+        if not self._norms:
+            return None
+        device = self._norms[0].device
+        norms = torch.stack([n.to(device) for n in self._norms])
+        squares = torch.where(torch.isfinite(norms), norms * norms, torch.zeros_like(norms)).sum()
+        if self.group is not None:  # FSDP2: local shards' squares summed over the ranks
+            torch.distributed.all_reduce(squares, group=self.group)
+        return torch.sqrt(squares)
+
+    def before_step(self, params) -> None:
+        """In ``step()``, before the update of the gradients still present: global clipping, or
+        the release modes' rule for gradients that were not released."""
+        with_grad = [p for p in params if p.grad is not None]
+        if not self.release and self.max_grad_norm is not None and self.clip_mode == "global" and with_grad:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm, foreach=None)
+            return
+        for p in with_grad:
+            self._clip_one(p.grad)
+
+    def norm_so_far(self) -> Optional[torch.Tensor]:
+        """This step's global gradient norm over the gradients seen so far (pre-clip), else the
+        last step's: what a framework's clipping call after backward would have returned."""
+        norm = self._global_norm()
+        return norm if norm is not None else self.last_grad_norm
+
+    def after_step(self) -> None:
+        """End of ``step()``: the step's global norm, and the next step's clip factor."""
+        norm = self._global_norm()
+        if norm is not None:
+            self.last_grad_norm = norm
+            if self.max_grad_norm is not None and self.clip_mode == "previous":
+                self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
+                self._scaled = None
+        self._norms = []
+        self.released = 0
+
+
+def check_release_supported(engine, params):
+    """Refuse what gradient release cannot do correctly (clear errors, nothing changed); return
+    the process group whose ranks hold the shards under FSDP2 (their norms are summed), else None."""
+    if engine.prefetch_during_backward:
+        raise ValueError("release_gradients=True cannot be combined with backward-time prefetch "
+                         "(prefetch_during_backward=True or a prefetch_budget other than 'auto'/0): a released "
+                         "parameter is updated in backward already")
+    if engine.placement.gpu_budget is not None:
+        raise ValueError("release_gradients=True does not support gpu_budget yet (use offload=True or no budget)")
+    sharded = [p for p in params if is_dtensor(p)]
+    if sharded:
+        mesh = sharded[0].device_mesh
+        if len(sharded) != len(params) or mesh.ndim != 1 or any(p.device_mesh != mesh for p in sharded):
+            raise ValueError("release_gradients=True with DTensor parameters needs every parameter sharded by FSDP2 "
+                             "over one 1-D device mesh")
+        return mesh.get_group()
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        raise ValueError("release_gradients=True under data parallelism (e.g. DDP) would update parameters before "
+                         "their gradients are all-reduced (the hook runs on the local gradient); use FSDP2 "
+                         "(fully_shard), whose hooks run after the reduce-scatter, or one process")
+    return None

@@ -1,0 +1,278 @@
+"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf flags, step counters.
+
+One launch covers every parameter of a bucket. A 256-element block whose gradient holds a NaN/inf
+is skipped inside the update kernel (README: NaN/inf gradients) and its parameter's flag raised,
+so a fused step never synchronises with the host and needs no collective.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, Optional
+
+import torch
+
+from ..state.codecs import Int4Codec
+from ..state.codecs.rounding import state_seed
+from .inner import decoupled_decay
+from .kernels import launch
+
+FP32, BF16, INT8, INT4 = 0, 1, 2, 3
+P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# launch shape (256-element tiles per program, warps, tiles looped over per program, register cap),
+# timed with the step table and ``optstate bench --tune`` (BENCHMARKS.md sections 10, 11, 15, 19):
+# int8 states 4 tiles x 2 warps (0.57x vs 0.61x fused AdamW at 2 x 2, H100 2026-11-23), looped
+# twice (H200 2026-11-26: 5.04 vs 5.21 ms with the step queued ahead; register caps no faster); bf16
+# 2 x 2 (4 x 2 and loops no faster); the Adam step of 4-bit states without master weights 1 x 1
+# (section 15: 6.51 vs 6.91 ms at 2 x 2, H100), looped 16 times and capped at 64 registers (no
+# spills; 32 one-warp programs per SM instead of 25 at its 80): H200 5.18 vs 5.49 ms uncapped, 5.84
+# (and 6.24 at the previous 4-bit rounding code) unlooped. Env vars override every kind's value
+# (OPTSTATE_NBLK, OPTSTATE_NUM_WARPS, OPTSTATE_ITERS, OPTSTATE_MAXNREG; 0: no cap).
+LAUNCH_SHAPES = {  # state kind -> (NBLK, num_warps, ITERS, maxnreg) of the Adam kernel (SGD: no loops)
+    "int8": (4, 2, 2, 0),
+    "int4": (1, 1, 16, 64),
+    "other": (2, 2, 1, 0),
+}
+
+
+def _env_count(name: str, default: int, least: int) -> int:
+    """An integer environment override (at least ``least``), or ``default`` when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit() or int(value) < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+for _kind, _shape in LAUNCH_SHAPES.items():
+    LAUNCH_SHAPES[_kind] = tuple(_env_count(name, value, least) for name, value, least in zip(
+        ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG"), _shape, (1, 1, 1, 0)))
+
+
+def launch_shape(plan) -> tuple:
+    """(NBLK, num_warps, ITERS, maxnreg or None) for a bucket's plan, by its most compressed state
+    (4-bit states with master weights take the general shape)."""
+    kinds = plan["kinds"]
+    if INT4 in kinds and plan["kind"] == "adam" and not plan.get("master"):
+        nblk, warps, iters, regs = LAUNCH_SHAPES["int4"]
+    elif INT8 in kinds and INT4 not in kinds:
+        nblk, warps, iters, regs = LAUNCH_SHAPES["int8"]
+    else:
+        nblk, warps, iters, regs = LAUNCH_SHAPES["other"]
+    return nblk, warps, iters if plan["kind"] == "adam" else 1, regs or None
+
+
+# hardware square root and reciprocal square root (a few ulp) in the update; "0" for correctly rounded ones
+FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
+
+
+class KernelLauncher:
+    """Launches the Triton kernels over buckets; counts NaN/inf skips on the device."""
+
+    def __init__(self, engine, stochastic_param_rounding: bool):
+        self.engine = engine
+        self.stochastic_param_rounding = stochastic_param_rounding
+        self.nonfinite_device: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
+        self._seed_cache: Dict[tuple, int] = {}
+        self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
+
+    def close(self) -> None:
+        """Forget cached launch tables (they hold device pointers of freed state)."""
+        launch.clear_caches()
+        self._step_counts.clear()
+
+    def step_count(self, device) -> torch.Tensor:
+        """The optimizer's step count on ``device`` (the kernels derive the rounding stream's step
+        from it). Set from the host only when the host count moved without it (first use, a loaded
+        checkpoint); otherwise :meth:`end_step` advances it on the device, inside a captured graph too."""
+        entry = self._step_counts.get(device)
+        host = self.engine.step_count
+        if entry is None:
+            entry = self._step_counts[device] = [torch.zeros((), dtype=torch.int64, device=device), None]
+        if entry[1] != host:
+            entry[0].fill_(host)
+            entry[1] = host
+        return entry[0]
+
+    def end_step(self) -> None:
+        """Advance the device step counts that this step's launches read (before the host count)."""
+        for entry in self._step_counts.values():
+            if entry[1] == self.engine.step_count:
+                entry[0].add_(1)
+                entry[1] += 1
+
+    def new_flags(self, bucket):
+        """Zeroed per-parameter flags that the kernels raise for a parameter with a block skipped
+        for a non-finite gradient (None when unchecked). No pre-pass, no host synchronisation, no
+        collective: each rank decides for the blocks it holds (README: NaN/inf gradients)."""
+        if not self.engine.skip_nonfinite:
+            return None
+        return torch.zeros(len(bucket.params), dtype=torch.int32, device=bucket.params[0].device)
+
+    def count_skipped(self, flags) -> None:
+        """Add a launch's raised flags to the device counter (read when metrics are asked for)."""
+        if flags is not None:
+            self.add_skipped(flags.sum())
+
+    def add_skipped(self, count: torch.Tensor) -> None:
+        """Add skips counted on the device (a launch's flags, torch's own step in passthrough_skip)."""
+        self.nonfinite_device = count if self.nonfinite_device is None else self.nonfinite_device + count
+
+    def advance_steps(self, bucket) -> None:
+        """Advance the bucket's per-parameter step counters on the device after its streamed
+        pieces (blocks skipped for a non-finite gradient do not hold a parameter's step back)."""
+        from .kernels.adam import advance_steps_kernel
+
+        if bucket.plan["kind"] == "adam":
+            advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device))
+
+    def launch(self, bucket, flags=None, advance: bool = True) -> None:
+        """One launch of the update kernel over a bucket. ``flags``: the parent bucket's
+        per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
+        launch has and counts its own. ``advance``: the step counts too (streamed pieces leave
+        that to :meth:`advance_steps` after the last piece)."""
+        from .kernels.adam import adam_kernel, bias_corrections_kernel
+        from .kernels.sgd import sgd_kernel
+
+        engine, plan, params = self.engine, bucket.plan, bucket.params
+        device, n = params[0].device, len(params)
+        group = engine.inner.param_groups[bucket.group_index]
+        nblk, warps, iters, maxnreg = launch_shape(plan)
+        memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
+        if memo_key not in memo:
+            # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in
+            # the step); each item's first element; whether offsets fit 32 bits
+            memo[memo_key] = (launch.work_tables(bucket.shapes, nblk * iters, device),
+                              launch.cached_table(self._seeds(bucket.indices, plan["keys"]), device),
+                              launch.cached_table(bucket.bases, device),
+                              all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)))
+        (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32 = memo[memo_key]
+        P = launch.cached_table(bucket.param_pointers(), device)
+        G = launch.cached_table(bucket.grad_pointers(), device)
+        STEP = self.step_count(device)
+        aligned, check = bucket.aligned, engine.skip_nonfinite
+        parent_flags = flags
+        flags = self.new_flags(bucket) if check else _dummy(device, torch.int32)
+        p_kind = P_KINDS[params[0].dtype]
+        lr = group["lr"]
+        lr_tensor = isinstance(lr, torch.Tensor)
+        lr_ptr = lr if lr_tensor else flags
+        lr_val = 0.0 if lr_tensor else float(lr)
+        m_codec = plan["codecs"][0]
+        M, MS = bucket.tables(0, device)
+        common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
+                      LR_TENSOR=lr_tensor,
+                      FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
+        if plan["kind"] == "adam":
+            v_codec = plan["codecs"][1]
+            V, VS = bucket.tables(1, device)
+            amsgrad = len(plan["keys"]) == 3
+            VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            decoupled = decoupled_decay(engine.inner, group)
+            torch_fused = bool(plan.get("torch_fused"))
+            CORR = self._bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
+            adam_kernel[(n_prog,)](
+                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
+                tpow2, lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
+                float(group["eps"]), float(group["weight_decay"]),
+                *self._tables(m_codec, device), *self._tables(v_codec, device),
+                M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
+                M_SR=bool(m_codec.stochastic_rounding), V_SR=bool(v_codec.stochastic_rounding),
+                P_SR=self.stochastic_param_rounding and p_kind == 1,
+                M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
+                M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
+                M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
+                maxnreg=maxnreg, **self._master(bucket, device), **common)
+        else:
+            sgd_kernel[(n_prog,)](
+                P, G, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
+                M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
+                NESTEROV=bool(group["nesterov"]), **common)
+        if check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
+            parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
+        elif check:
+            self.count_skipped(flags)
+        bucket.first = False if advance else bucket.first
+        engine.metrics.fused_params += n if advance else 0
+        engine.metrics.kernel_launches += 1
+
+    @staticmethod
+    def _bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance) -> torch.Tensor:
+        """The Adam kernel's CORR table for the coming step (and the step counts advanced, with
+        ``advance``), from the per-parameter step counts on the device: per tensor the step size
+        and square-rooted second correction (``bias_corrections_kernel``), or for torch's fused
+        arithmetic ``[beta1**step, beta2**step]`` by torch's own device ``pow``, whose float32
+        results differ from Triton's libdevice ``powf`` in the last bit for some steps."""
+        from .kernels.adam import bias_corrections_kernel
+
+        device, n = bucket.params[0].device, len(bucket.params)
+        out = torch.empty(n if torch_fused else 3 * n, dtype=torch.float32, device=device)
+        bias_corrections_kernel[(n,)](bucket.steps_table(device), out, lr_ptr, lr_val,
+                                      math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30,
+                                      LR_TENSOR=lr_tensor, ADVANCE=advance, STEP_ONLY=torch_fused)
+        if not torch_fused:
+            return out
+        key = (str(device), beta1, beta2)
+        betas = _BETAS.get(key)
+        if betas is None:
+            betas = _BETAS[key] = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=device)
+        return torch.pow(betas, out)  # [2, n]
+
+    @staticmethod
+    def _master(bucket, device) -> dict:
+        """Kernel arguments of the master-weight path (the correction's pointer table, its bits);
+        none when the bucket keeps no master weights."""
+        bits = bucket.plan.get("master", 0)
+        if not bits:
+            return {}
+        return {"C": bucket.tables(len(bucket.plan["keys"]), device)[0], "MASTER": bits}
+
+    def _seeds(self, indices, keys):
+        """Counter-hash seeds per (parameter index, state), computed once."""
+        names = (list(keys) + [keys[-1]] * 3)[:3] + ["param"]
+        cache = self._seed_cache
+        out = []
+        for i in indices:
+            for name in names:
+                if (i, name) not in cache:
+                    cache[(i, name)] = state_seed(self.engine.seed, i, name)
+                out.append(cache[(i, name)])
+        return out
+
+    @staticmethod
+    def _inv_power(codec) -> float:
+        return 1.0 / codec.effective_power if isinstance(codec, Int4Codec) else 0.5
+
+    @staticmethod
+    def _int_power(codec) -> int:
+        """The 4-bit codec's integer power (arithmetic decode/encode in the kernels), else 0."""
+        return codec.integer_power if isinstance(codec, Int4Codec) else 0
+
+    @staticmethod
+    def _n_levels(codec) -> int:
+        return len(codec.levels) if isinstance(codec, Int4Codec) else 2
+
+    @staticmethod
+    def _tables(codec, device):
+        if isinstance(codec, Int4Codec):
+            levels, mids, lut = codec.tables(device)
+            return levels, mids, lut
+        dummy = _dummy(device)
+        return dummy, dummy, dummy
+
+
+_BETAS: Dict[tuple, torch.Tensor] = {}
+_DUMMIES: Dict[tuple, torch.Tensor] = {}
+
+
+def _dummy(device, dtype=torch.float32) -> torch.Tensor:
+    """A small zero tensor for kernel arguments a launch does not read (tables, unchecked flags)."""
+    key = (str(device), dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(16, dtype=dtype, device=device)
+    return _DUMMIES[key]

@@ -1,0 +1,31 @@
+"""Triton kernels, each beside its reference twin and tested against it (``tests/kernels``).
+
+* ``codec_ops.py``  decode/encode of state tiles (twins: ``optstate_core/state/codecs``)
+* ``adam.py``       fused Adam/AdamW step (twin: the engine's tiled path with torch.optim.Adam;
+                    with TORCH_FUSED, torch's own fused CUDA Adam(W), tests/gpu/test_torch_fused_exact.py)
+* ``sgd.py``        fused SGD-with-momentum step (twin: tiled path with torch.optim.SGD)
+* ``launch.py``     pointer tables and work lists
+
+Kernels import nothing from the engine. On a machine without a GPU they run under
+``TRITON_INTERPRET=1`` (that is how CI tests them).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.lru_cache(maxsize=None)
+def triton_error() -> str:
+    """Why Triton kernels cannot run here ('' when they can)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({e})"
+    return ""
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
