@@ -19,7 +19,7 @@ def run(preset, *, fast, steps=4, inner=None, shapes=SHAPES, chunk_bytes=None, g
     groups = [{"params": params[::2], "weight_decay": wd[0]}, {"params": params[1::2], "weight_decay": wd[1]}]
     opt_inner = (inner or (lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95))))(groups)
     options = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    opt = oc.wrap(opt_inner, oc.make_policy(preset, min_int8_elements=0, **policy), **options)
+    opt = oc.wrap(opt_inner, oc.make_policy(preset, **{"min_int8_elements": 0, **policy}), **options)
     gen = torch.Generator().manual_seed(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPTSTATE_CPU_FAST", "1" if fast else "0")
@@ -153,32 +153,39 @@ def test_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
         assert torch.equal(a, b)
 
 
-# (shapes, distinct static widths allowed, slices a call): two shapes viewed as 256-wide rows,
-# stepped in one batch padded to four; two odd widths that share the graph with symbolic widths
-# once no static width is left, one slice a call
-COMPILED_CASES = [([(32, 512), (16, 256)], cpu_step.MAX_STATIC_WIDTHS, "4"), ([(9, 300), (5, 1001)], 0, "1")]
+# (shapes, distinct static widths allowed, slices a call, compile mode): two shapes viewed as
+# 256-wide rows, stepped in one batch padded to four, compiled from the first call; two odd widths
+# that share the graph with symbolic widths once no static width is left, one slice a call, in
+# "auto" mode with (almost) no eager time to wait for: the first step eager, the later ones compiled
+COMPILED_CASES = [([(32, 512), (16, 256)], cpu_step.MAX_STATIC_WIDTHS, "4", "1"),
+                  ([(9, 300), (5, 1001)], 0, "1", "auto")]
 
 
-@pytest.mark.parametrize("shapes,static_widths,batch", COMPILED_CASES, ids=["256-wide rows", "symbolic widths"])
-def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shapes, static_widths, batch):
+@pytest.mark.parametrize("shapes,static_widths,batch,mode", COMPILED_CASES,
+                         ids=["256-wide rows", "symbolic widths, eager then compiled"])
+def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shapes, static_widths, batch, mode):
     """Compiled code may round a few float operations differently from eager torch (inductor
     lowers lerp/addcmul without torch's fused multiply-add and divides by the bias correction
     through its reciprocal), so parameters may differ by a few ulp. Codes come from the same
-    rounding stream and differ only where a value sits within those ulp of a threshold.
+    rounding stream and differ only where a value sits within those ulp of a threshold. A run
+    that switches from eager to compiled mid-way stays within the same bound.
 
     Each case is one shape class: a single compilation for both shapes."""
     if not hasattr(torch, "compile"):
         pytest.skip("torch.compile unavailable")
     from torch._dynamo.utils import counters
-    monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "1")
+    monkeypatch.setenv("OPTSTATE_CPU_COMPILE", mode)
+    monkeypatch.setenv("OPTSTATE_CPU_COMPILE_AFTER", "1e-9")  # "auto": compiled once any eager time was spent
     monkeypatch.setenv("OPTSTATE_CPU_BATCH", batch)
     monkeypatch.setattr(cpu_step, "_STEPPERS", {})  # compile here, whatever ran before
+    monkeypatch.setattr(cpu_step, "_EAGER_SECONDS", {})
     monkeypatch.setattr(cpu_step, "_STATIC_WIDTHS", {})
     monkeypatch.setattr(cpu_step, "MAX_STATIC_WIDTHS", static_widths)
     ref_params, ref = run("8bit", fast=False, steps=4, shapes=shapes)
     graphs = counters["stats"]["unique_graphs"]
     params, opt = run("8bit", fast=True, steps=4, shapes=shapes)
     compiled_graphs = counters["stats"]["unique_graphs"] - graphs
+    assert bool(cpu_step._EAGER_SECONDS) == (mode == "auto")  # "auto" ran eagerly before compiling
     if any(flags[:2] == (opt.state[params[0]]["exp_avg"].codec, opt.state[params[0]]["exp_avg_sq"].codec)
            for flags in cpu_step._FAILED):
         pytest.skip("torch.compile failed on this machine (the eager fallback is tested above)")
@@ -194,6 +201,41 @@ def test_compiled_step_matches_the_reference_within_its_bound(monkeypatch, shape
                 codes += t.numel()
                 differing += int((t != payloads(opt, b)[key]).sum())
     assert differing <= 1e-3 * codes
+
+
+def test_auto_mode_runs_a_short_job_eagerly(monkeypatch):
+    """With the default "auto" mode, a run whose eager time stays under OPTSTATE_CPU_COMPILE_AFTER
+    never calls the compiler (bit-identical to the reference, as the eager path is)."""
+    def refuse(fn, **kwargs):
+        raise AssertionError("compiled although the run was short")
+    monkeypatch.delenv("OPTSTATE_CPU_COMPILE")
+    monkeypatch.setenv("OPTSTATE_CPU_COMPILE_AFTER", "3600")
+    monkeypatch.setattr(cpu_step.torch, "compile", refuse)
+    monkeypatch.setattr(cpu_step, "_STEPPERS", {})
+    monkeypatch.setattr(cpu_step, "_EAGER_SECONDS", {})
+    ref_params, _ = run("4bit", fast=False, steps=3)
+    params, opt = run("4bit", fast=True, steps=3)
+    assert opt.last_step_timings["materialize_ms"] == 0
+    assert cpu_step._EAGER_SECONDS and all(t < 3600 for t in cpu_step._EAGER_SECONDS.values())
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+
+
+@pytest.mark.parametrize("name,value", [("OPTSTATE_CPU_COMPILE", "yes"), ("OPTSTATE_CPU_COMPILE_AFTER", "-1"),
+                                        ("OPTSTATE_CPU_COMPILE_AFTER", "soon")])
+def test_a_bad_compile_setting_changes_nothing(monkeypatch, name, value):
+    """A bad compile switch is refused with its name before any parameter or state changes, the
+    uncompressed ones (stepped by the inner optimizer) included."""
+    params, opt = run("8bit", fast=True, steps=2, shapes=[(64, 512), (16,)], min_int8_elements=100)
+    before = [p.detach().clone() for p in params]
+    state = {k: t.clone() for k, t in payloads(opt, params[0]).items()}
+    monkeypatch.setenv("OPTSTATE_CPU_FAST", "1")
+    monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "auto")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(t, payloads(opt, params[0])[k]) for k, t in state.items())
+    assert int(opt.state[params[0]]["step"]) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

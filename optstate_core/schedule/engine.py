@@ -144,11 +144,11 @@ class Engine:
             remember_params(self)
         else:
             buckets, passthrough, on_device, cpu_plans = cached
+            run_cpu_plans(self, cpu_plans)  # first: a bad OPTSTATE_CPU_* setting is refused before any update
             if passthrough:
                 t = time.perf_counter()
                 self._run_passthrough(passthrough, on_device)
                 self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
-            run_cpu_plans(self, cpu_plans)
         if buckets:
             t = time.perf_counter()
             self.schedule.run(buckets)
@@ -192,11 +192,11 @@ class Engine:
             cpu_plans = [c for c in cpu_plans if id(c) in kept]
         buckets = self.fused.build(fused) if fused else []
         items = [(w.key, w.state, w.info.group_index) for w in passthrough]
+        run_cpu_plans(self, cpu_plans)  # first: a bad OPTSTATE_CPU_* setting is refused before any update
         if items:
             t = time.perf_counter()
             self._run_passthrough(items, on_device)
             self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
-        run_cpu_plans(self, cpu_plans)
         if tiled:
             self.tiled.run(tiled, update=True)
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \

@@ -28,8 +28,13 @@ Plans (:class:`CpuPlan`, one per parameter) are kept by the engine's cached plan
 nothing invalidated goes straight to the compiled calls. How the calls are compiled:
 ``cpu_compile.py``.
 
-Switches: ``OPTSTATE_CPU_FAST=0`` turns the path off; ``OPTSTATE_CPU_COMPILE=0`` runs it
-eagerly (the test suite does, except for the tests of the compiled path).
+When it compiles: a class (codec pair, flags, row width, batch size) starts eager and is compiled
+once the time it has spent eagerly reaches ``OPTSTATE_CPU_COMPILE_AFTER`` seconds (default
+``DEFAULT_COMPILE_AFTER``, about what compiling one class costs here): the break-even rule, which never
+spends more than about twice what the better choice in hindsight would, so a short run, an example
+or a test never waits for inductor and a long run compiles early in it. Switches:
+``OPTSTATE_CPU_FAST=0`` turns the path off; ``OPTSTATE_CPU_COMPILE=0`` never compiles, ``=1``
+compiles at a class's first call, ``=auto`` is the default.
 """
 from __future__ import annotations
 
@@ -58,8 +63,35 @@ def enabled() -> bool:
     return os.environ.get("OPTSTATE_CPU_FAST", "1") != "0"
 
 
-def compile_wanted() -> bool:
-    return os.environ.get("OPTSTATE_CPU_COMPILE", "1") != "0"
+#: ``OPTSTATE_CPU_COMPILE`` values: compile never, at a class's first call, or once it pays (default)
+COMPILE_MODES = {"0": "never", "1": "always", "auto": "auto"}
+#: eager seconds a class runs before it is compiled in "auto" mode: about what compiling one class
+#: takes on a 2-core CPU (5-15 s), so the break-even rule never spends more than about twice what
+#: the better choice in hindsight would have
+DEFAULT_COMPILE_AFTER = 10.0
+
+
+def compile_mode() -> str:
+    """``OPTSTATE_CPU_COMPILE``: ``0`` never compiles, ``1`` compiles at the first call, ``auto``
+    (the default) compiles a class once its eager time reaches :func:`compile_after`."""
+    value = os.environ.get("OPTSTATE_CPU_COMPILE", "auto")
+    if value not in COMPILE_MODES:
+        raise ValueError(f"OPTSTATE_CPU_COMPILE must be 0, 1 or auto, got {value!r}")
+    return COMPILE_MODES[value]
+
+
+def compile_after() -> float:
+    """``OPTSTATE_CPU_COMPILE_AFTER``: eager seconds per class before "auto" compiles it."""
+    value = os.environ.get("OPTSTATE_CPU_COMPILE_AFTER")
+    if value is None:
+        return DEFAULT_COMPILE_AFTER
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"OPTSTATE_CPU_COMPILE_AFTER must be a number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 def _log_once(reason: str) -> None:
@@ -114,6 +146,7 @@ def adam_step_encoded(p: torch.Tensor, g: torch.Tensor, m_payload: dict, v_paylo
 
 _STEPPERS: Dict[tuple, Callable] = {}
 _FAILED: set = set()
+_EAGER_SECONDS: Dict[tuple, float] = {}  # (flags, batch) -> seconds run eagerly so far ("auto" mode)
 
 #: rows whose width divides by this hold whole blocks of every codec (tiled.TILE_GRANULARITY)
 ROW_GRANULARITY = 256
@@ -269,6 +302,8 @@ def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
     same codecs and shape class in batches (:func:`_batches`), then each parameter's step count."""
     if not plans:
         return
+    size, mode = batch_size(), compile_mode()  # settings first: a bad one is refused before any write
+    after = compile_after() if mode == "auto" else None
     t0 = time.perf_counter()
     inner, metrics = engine.inner, engine.metrics
     by_class: Dict[tuple, List[_Slice]] = {}
@@ -280,9 +315,8 @@ def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
             hyper = hypers[plan.info.group_index, step] = _hyper(inner, group, step)
         by_class.setdefault(plan.flags, []).extend(_slices(engine, plan, hyper))
     with torch.no_grad(), shape_config():
-        size = batch_size()
         for flags, parts in by_class.items():
-            run = _Runner(flags, size)
+            run = _Runner(flags, size, mode, after)
             for batch in _batches(parts, engine.chunk_bytes, size):
                 run(batch)
                 metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, sum(s.nbytes for s in batch))
@@ -334,14 +368,24 @@ def _payload_rows(payload: dict, rows: int) -> dict:
     return {k: t.view(rows, -1) for k, t in payload.items()}
 
 
+def _compile_now(flags, size: int, mode: str, after: Optional[float]) -> bool:
+    """Whether this class runs compiled now: never after a failed compilation; in "auto" mode once
+    its eager time has reached ``after`` seconds (:func:`compile_after`), or it is compiled already."""
+    if mode == "never" or flags in _FAILED:
+        return False
+    if mode == "always" or (*flags, True, size) in _STEPPERS:
+        return True
+    return _EAGER_SECONDS.get((flags, size), 0.0) >= after
+
+
 class _Runner:
     """Runs the batches of one class (``flags``: m codec, v codec, maximize, narrow, row width or None):
-    compiled, each batch padded to ``size`` slices, while compilation is wanted and works, else
-    eagerly. Looks its steppers up once per class, not per call."""
+    compiled, each batch padded to ``size`` slices, when :func:`_compile_now` says so and compilation
+    works, else eagerly (timed, for "auto" mode). Looks its steppers up once per class, not per call."""
 
-    def __init__(self, flags, size: int):
+    def __init__(self, flags, size: int, mode: str, after: Optional[float]):
         self.flags, self.size = flags, size
-        self.compiled = compile_wanted() and flags not in _FAILED
+        self.compiled = _compile_now(flags, size, mode, after)
         self.fn = _stepper(*flags, compiled=True, batch=size) if self.compiled else None
         self.pads: List[_Slice] = []  # distinct empty slices for short batches, built once
 
@@ -367,7 +411,10 @@ class _Runner:
                 log.warning("optstate: CPU fast path runs eagerly for %s/%s; torch.compile failed: %s",
                             self.flags[0].name, self.flags[1].name, e)
             args = tuple(a[:n] for a in args)  # without the padding
+        t = time.perf_counter()
         _stepper(*self.flags, compiled=False, batch=n)(*args)
+        key = (self.flags, self.size)
+        _EAGER_SECONDS[key] = _EAGER_SECONDS.get(key, 0.0) + time.perf_counter() - t
 
 
 def _padding(like: _Slice) -> _Slice:
