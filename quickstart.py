@@ -2,7 +2,7 @@
 """Quick start on a fresh machine (only Python 3 and pip needed).
 
     python3 quickstart.py demo   # the main job: train a small LM with AdamW vs optstate presets (CPU)
-    python3 quickstart.py test   # the whole test suite
+    python3 quickstart.py test   # the whole test suite (one worker per core; prints the 20 slowest tests)
 
 The first run creates ./.venv and installs the CPU build of torch 2.13.0 and this project with
 its dev extra; later runs reuse it. Extra arguments go to the demo / to pytest.
@@ -47,7 +47,8 @@ def main(argv) -> int:
     py = str(ensure_env())
     if argv[0] == "demo":
         return subprocess.call([py, "-m", "optstate_core", "demo", *argv[1:]], cwd=ROOT)
-    code = subprocess.call([py, "-m", "pytest", *argv[1:]], cwd=ROOT)
+    # one worker per core (pytest-xdist), and the 20 slowest tests at the end
+    code = subprocess.call([py, "-m", "pytest", "-n", "auto", "--durations=20", *argv[1:]], cwd=ROOT)
     if code == 5:
         print("[quickstart] pytest collected no tests: treating that as a failure", flush=True)
         return 1
