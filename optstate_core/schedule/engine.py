@@ -4,9 +4,10 @@ A step of :class:`~optstate_core.optimizer.VirtualOptimizer` goes through here:
 
 1. validate every gradient (:mod:`~optstate_core.step.gradients`; a rejected step leaves parameters,
    state and groups untouched), then sort each parameter onto a path;
-2. parameters whose state is all raw, device-resident and meant to stay so ("passthrough") are
-   stepped by the inner optimizer in one call, on the real tensors: bit-identical to the
-   unwrapped optimizer at its own speed;
+2. the router (:mod:`~optstate_core.step.router`) sorts each parameter onto its path, the same
+   way here and in the gradient-release hook; parameters whose state is all raw, device-resident
+   and meant to stay so ("passthrough") are stepped by the inner optimizer in one call, on the
+   real tensors: bit-identical to the unwrapped optimizer at its own speed;
 3. parameters the Triton kernels can take are grouped into buckets (:mod:`~optstate_core.step.fused`)
    and handed to the step schedule (:mod:`~optstate_core.schedule.timetable`), which launches them
    (:mod:`~optstate_core.step.fused_launch`) and moves offloaded state;
@@ -28,12 +29,13 @@ import torch
 from .conform import Conformer
 from ..step import passthrough_skip
 from ..step.backward_check import BackwardCheck
-from ..step.cpu_step import groups_still_eligible, plan_cpu_fast, run_cpu_plans
+from ..step.cpu_step import groups_still_eligible, run_cpu_plans
 from .follow import follow_params, remember_params
 from ..step.fused import FusedPath
 from ..step.fused_launch import KernelLauncher
 from ..step.gradients import all_finite, collect, split_nonfinite
 from ..step.inner import ELEMENTWISE, group_signature, run_inner
+from ..step.router import Router
 from .placement import Placement
 from ..policy import ParamInfo, Policy
 from .timetable import StepSchedule
@@ -75,6 +77,7 @@ class Engine:
         self.conformer = Conformer(self)
         self.tiled = TiledStep(self)
         self.fused = FusedPath(self, fused)
+        self.router = Router(self)
         self.kernels = KernelLauncher(self, stochastic_param_rounding)
         self.schedule = StepSchedule(self, prefetch_budget)
         self.backward_check = BackwardCheck()
@@ -162,28 +165,10 @@ class Engine:
         """Plan this step from scratch; run the reference paths; return the fused buckets."""
         works = collect(self.param_infos(), self.state)
         self.placement.assign_residency(works, self.step_count)
-        passthrough, fused, tiled = [], [], []
-        for w in works:
-            if not self.conformer.needs_tiles(w) and self.policy.master_codec(w.info) is None:
-                passthrough.append(w)
-                continue
-            plan = self.fused.plan(w)
-            if plan is not None:
-                fused.append((w, plan))
-            else:
-                tiled.append(w)
-        if passthrough:
-            # uncompressed tensors next to fused ones (small-tensor bypass) go into the same
-            # launches, so the step needs no host synchronisation and no second optimizer; so do
-            # those the kernel steps exactly as torch's fused Adam(W) (NaN/inf skipped per block)
-            beside, still = bool(fused), []
-            for w in passthrough:
-                plan = self.fused.takes_uncompressed(w, beside)
-                (fused.append((w, plan)) if plan is not None else still.append(w))
-            passthrough = still
+        routes = self.router.route(works)
+        fused, passthrough, cpu_plans, tiled = routes.fused, routes.passthrough, routes.cpu, routes.tiled
         on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
         self._check_in_backward([w.key for w in passthrough] if on_device and passthrough[0].key.is_cuda else [])
-        cpu_plans, tiled = plan_cpu_fast(self, tiled)  # cpu_step.py: Adam/AdamW on encoded CPU state
         checked = (tiled if on_device else passthrough + tiled) + cpu_plans  # the fused paths skip on the device
         if self.skip_nonfinite and checked:
             kept = {id(w) for w in self._drop_nonfinite(checked)}

@@ -39,6 +39,7 @@ from typing import Dict, Optional
 import torch
 
 from ..state.dtensor import is_dtensor, local
+from ..step.cpu_step import run_cpu_plans
 from ..step.gradients import collect
 from ..step.inner import group_signature, run_inner
 
@@ -104,36 +105,35 @@ class GradientRelease:
         return info
 
     def step_params(self, items) -> None:
-        """Update these ``(param, ParamInfo)`` now through the engine's paths (no step count
-        advance: ``step()`` does that once). The fused kernels skip NaN/inf blocks on the device,
-        as in ``step()``; only the other paths check on the host (a synchronisation). A fused
-        parameter's one-parameter bucket is kept for its next release while nothing it depends
-        on changes (:meth:`_cached_bucket`)."""
+        """Update these ``(param, ParamInfo)`` now on the paths the engine's router picks, the same
+        as in ``step()`` (no step count advance: ``step()`` does that once). The fused kernels skip
+        NaN/inf blocks on the device, as in ``step()``, with no host synchronisation; only the other
+        paths check on the host. A fused parameter's one-parameter bucket is kept for its next
+        release while nothing it depends on changes (:meth:`_cached_bucket`)."""
         engine = self.engine
-        fused, other, cached = [], [], []
+        works, cached = [], []
         for p, info in items:
             bucket = self._cached_bucket(p)
             if bucket is not None:
                 cached.append(bucket)
-                continue
-            for w in collect([(p, info)], engine.state):
-                passthrough = not engine.conformer.needs_tiles(w) and engine.policy.master_codec(w.info) is None
-                plan = None if passthrough else engine.fused.plan(w)
-                (fused.append((w, plan)) if plan is not None else other.append((w, passthrough)))
-        if other and engine.skip_nonfinite:
-            kept = {id(w) for w in engine._drop_nonfinite([w for w, _ in other])}
-            other = [(w, passthrough) for w, passthrough in other if id(w) in kept]
-        buckets = engine.fused.build(fused) if fused else []
+            else:
+                works += collect([(p, info)], engine.state)
+        routes = engine.router.route(works)
+        if engine.skip_nonfinite and (routes.passthrough or routes.cpu or routes.tiled):
+            kept = {id(w) for w in engine._drop_nonfinite(routes.passthrough + routes.cpu + routes.tiled)}
+            routes.passthrough, routes.cpu, routes.tiled = ([w for w in ws if id(w) in kept] for ws in (
+                routes.passthrough, routes.cpu, routes.tiled))
+        buckets = engine.fused.build(routes.fused) if routes.fused else []
         if buckets or cached:
             engine.schedule.run(cached + buckets)
         for b in buckets:  # launched once: no longer a first step, so reusable
             if len(b.keys) == 1:
                 self._buckets[id(b.keys[0])] = (b, self._bucket_key(b.keys[0]))
-        for w, passthrough in other:
-            if passthrough:
-                run_inner(engine.inner, [(w.key, w.state, w.info.group_index)], engine.state)
-            else:
-                engine.tiled.run([w], update=True)
+        run_cpu_plans(engine, routes.cpu)
+        if routes.passthrough:
+            run_inner(engine.inner, [(w.key, w.state, w.info.group_index) for w in routes.passthrough], engine.state)
+        if routes.tiled:
+            engine.tiled.run(routes.tiled, update=True)
         engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
 
     # -- the per-parameter bucket cache --------------------------------------------------------------

@@ -40,14 +40,12 @@ def fsdp_offload_job(rank, world, tmp):
     dist_jobs.finish()
 
 
-def weights_only_model():
-    """The jobs' model without biases, FSDP2-sharded: every parameter takes the fused int8 path with
-    and without release (an uncompressed bias would be stepped by torch's AdamW in its release hook
-    but by the fused kernel beside the others in step(): equal up to float rounding, not bit for bit)."""
+def release_model():
+    """An MLP with biases and a LayerNorm, FSDP2-sharded: the small tensors keep fp32 state and take
+    the same path (the kernels, beside the compressed ones) with and without release."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.GELU(),
-                                torch.nn.Linear(512, 256, bias=False), torch.nn.GELU(),
-                                torch.nn.Linear(256, 256, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
+                                torch.nn.Linear(512, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
     return dist_jobs.shard_layers(model)
 
 
@@ -81,9 +79,9 @@ def release_run(model, release, rank, world, nan_step=None):
 
 def fsdp_release_job(rank, world, tmp):
     dist_jobs.init(rank, world, tmp)
-    plain = release_run(weights_only_model(), False, rank, world)
-    released = release_run(weights_only_model(), True, rank, world)
-    nan = release_run(weights_only_model(), True, rank, world, nan_step=1)
+    plain = release_run(release_model(), False, rank, world)
+    released = release_run(release_model(), True, rank, world)
+    nan = release_run(release_model(), True, rank, world, nan_step=1)
     try:
         ddp_error = None
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))

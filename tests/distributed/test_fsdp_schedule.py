@@ -1,7 +1,8 @@
 """The step schedule's backward hooks under FSDP2 (FSDP2 calls them on the sharded parameters after
 each reduce-scatter): offloaded state stages the local shards during backward (only on the
 micro-batch that ends a window) and equals resident state bit for bit; gradient release updates
-each local shard in its hook and equals FSDP2 without release."""
+each local shard in its hook and equals FSDP2 without release bit for bit, biases and a LayerNorm
+included."""
 import os
 import sys
 
