@@ -12,6 +12,7 @@ from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import GradientRelease, check_clip_options, check_release_supported
+from .step.inner import NOT_ELEMENTWISE
 from .state.units import parse_bytes
 
 log = logging.getLogger("optstate")
@@ -109,6 +110,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("optimizer: LBFGS re-evaluates the closure inside step() and keeps global "
                              "(not per-parameter) state; it cannot be wrapped")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError("optimizer: SparseAdam steps sparse gradients, and optstate keeps dense state only; "
+                             "it cannot be wrapped (wrap Adam/AdamW for the dense parameters instead)")
         if policy is None:
             policy = default_policy()
         if not isinstance(policy, Policy):
@@ -162,10 +166,14 @@ class VirtualOptimizer(torch.optim.Optimizer):
             prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
         if elementwise is not None and not isinstance(elementwise, bool):
             raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
+        if elementwise and isinstance(optimizer, NOT_ELEMENTWISE):
+            raise ValueError(f"elementwise=True: {type(optimizer).__name__}'s update needs whole tensors (factored "
+                             "statistics or an orthogonalization), so its parameters cannot be stepped in tiles")
         if chunk_size is None and chunk_size_on_cuda is not None and any(
                 p.is_cuda for g in optimizer.param_groups for p in g["params"]):
             chunk_size = chunk_size_on_cuda
         names = named_parameter_names(named_parameters) if named_parameters is not None else {}
+        policy.bind_optimizer(optimizer)  # last check: its codecs may depend on the optimizer's class
 
         engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
                         initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,

@@ -23,7 +23,8 @@ CodecSpec = Union[str, Codec, None]
 
 #: State keys of torch.optim optimizers by role. A key in neither set is never compressed.
 SIGNED_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
-NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "sum", "acc_delta"})
+NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "sum", "acc_delta",
+                              "variance"})  # Adafactor's unfactored second moment (1-D tensors)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Policy:
         """Whether any state of this parameter may be stored compressed or off-device at ``step``."""
         return False
 
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Learn which optimizer this policy serves (its codecs may depend on it). Default: ignored."""
+
     def active(self, step: int) -> bool:
         """Whether the compressed phase is on at ``step`` (False: the warmup phase)."""
         return False
@@ -106,6 +110,25 @@ def _parse_rules(rules) -> Sequence[Tuple[re.Pattern, object]]:
     return tuple(parsed)
 
 
+def _parse_optimizer_codecs(spec) -> Dict[str, Dict[str, Codec]]:
+    """``{optimizer class name: {state key: codec}}`` with codecs resolved (clear errors naming the entry)."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"optimizer_codecs must be a mapping {{optimizer class name: {{state key: codec}}}}, "
+                         f"got {type(spec).__name__}")
+    parsed = {}
+    for name, keys in spec.items():
+        if not isinstance(name, str) or not isinstance(keys, Mapping):
+            raise ValueError(f"optimizer_codecs: entry {name!r} must map an optimizer class name to "
+                             f"{{state key: codec}}, got {keys!r}")
+        try:
+            parsed[name] = {str(k): get_codec(v) for k, v in keys.items()}
+        except ValueError as e:
+            raise ValueError(f"optimizer_codecs[{name!r}]: {e}") from None
+    return parsed
+
+
 class WarmupPolicy(Policy):
     """Uncompressed for ``warmup_steps`` steps, then the configured codecs.
 
@@ -134,13 +157,19 @@ class WarmupPolicy(Policy):
         master_tier: where ``master_correction`` lives: ``"device"`` or ``"host"`` (pinned host
             memory; it streams through the staging ring at each update while the moments stay
             where ``device_resident`` says); None (default): with the moments.
+        optimizer_codecs: ``{optimizer class name: {state key: codec}}``: codecs for one
+            optimizer's states that replace ``momentum_codec``/``variance_codec`` (name rules
+            still come first, small tensors still take ``small_tensor_codec``). The presets use it
+            where an optimizer's state needs another codec (docs/compatibility.md). The wrapper
+            tells the policy its optimizer (:meth:`bind_optimizer`).
     """
 
     def __init__(self, warmup_steps: int = 100, momentum_key: str = "exp_avg", variance_key: str = "exp_avg_sq",
                  variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
                  small_tensor_codec: CodecSpec = None, device_resident: Optional[bool] = None,
                  momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None,
-                 master_correction: CodecSpec = None, master_tier: Optional[str] = None):
+                 master_correction: CodecSpec = None, master_tier: Optional[str] = None,
+                 optimizer_codecs: Optional[Mapping[str, Mapping[str, CodecSpec]]] = None):
         if master_tier not in (None, "device", "host"):
             raise ValueError(f"master_tier must be None, 'device' or 'host', got {master_tier!r}")
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
@@ -166,6 +195,8 @@ class WarmupPolicy(Policy):
         if self.master_correction is not None and self.master_correction.name not in MASTER_CODECS:
             raise ValueError(f"master_correction must be one of {', '.join(MASTER_CODECS)} or None, "
                              f"got {master_correction!r}")
+        self.optimizer_codecs = _parse_optimizer_codecs(optimizer_codecs)
+        self._optimizer: Optional[str] = None  # the class name of the optimizer served (bind_optimizer)
         self._names: Dict[int, str] = {}
         self._cache: Dict[tuple, Codec] = {}
         if named_parameters is not None:
@@ -183,6 +214,17 @@ class WarmupPolicy(Policy):
 
     def name_of(self, param: torch.Tensor) -> Optional[str]:
         return self._names.get(id(param))
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Serve ``optimizer``: its entry of ``optimizer_codecs`` applies. A policy whose
+        ``optimizer_codecs`` tell two optimizer classes apart serves one of them only."""
+        name = type(optimizer).__name__
+        if self._optimizer not in (None, name) and (self._optimizer in self.optimizer_codecs or
+                                                    name in self.optimizer_codecs):
+            raise ValueError(f"policy: this policy serves a {self._optimizer} already and its optimizer_codecs "
+                             f"differ for {name}; make one policy per optimizer (e.g. make_policy(...) per wrap)")
+        self._optimizer = name
+        self._cache.clear()
 
     # -- decisions -------------------------------------------------------------------------
     def role_of(self, key: str) -> Optional[str]:
@@ -219,7 +261,9 @@ class WarmupPolicy(Policy):
         if codec is None:
             codec = self._rule_for(info, key, role)
             if codec is None:
-                codec = self.momentum_codec if role == "momentum" else self.variance_codec
+                codec = self.optimizer_codecs.get(self._optimizer, {}).get(key)
+                if codec is None:
+                    codec = self.momentum_codec if role == "momentum" else self.variance_codec
                 if not codec.lossless and info.numel < self.min_int8_elements:
                     codec = self.small_tensor_codec
             codec = codec.specialize(nonnegative=(role == "variance"))
@@ -279,10 +323,11 @@ class AdaptiveWarmupPolicy(WarmupPolicy):
                  variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
                  small_tensor_codec: CodecSpec = None, patience: int = 5, tol: float = 1e-3,
                  device_resident: Optional[bool] = None, momentum_codec: CodecSpec = "int8", rules=None,
-                 named_parameters=None, master_correction: CodecSpec = None, master_tier: Optional[str] = None):
+                 named_parameters=None, master_correction: CodecSpec = None, master_tier: Optional[str] = None,
+                 optimizer_codecs: Optional[Mapping[str, Mapping[str, CodecSpec]]] = None):
         super().__init__(warmup_steps, momentum_key, variance_key, variance_codec, min_int8_elements,
                          small_tensor_codec, device_resident, momentum_codec, rules, named_parameters,
-                         master_correction, master_tier)
+                         master_correction, master_tier, optimizer_codecs)
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         if not (isinstance(tol, (int, float)) and 0 <= tol < 1):

@@ -13,6 +13,17 @@ from .state.codecs import Codec, Int4Codec, Int8Codec
 from .optimizer import VirtualOptimizer
 from .policy import Policy, WarmupPolicy
 
+#: optimizer class -> state key -> codec, where an optimizer's state needs another codec than the
+#: presets' moments (docs/compatibility.md, made by `optstate compat`): SGD's momentum buffer
+#: (m <- mu*m + g) stalls at 4 bits with nearest rounding (the task's final loss +12%, stochastic
+#: rounding: within the seed spread); Muon orthogonalizes its momentum, which amplifies rounding
+#: noise: int8 with nearest rounding holds its loss, stochastic or 4-bit codes do not
+MUON_MOMENTUM = {"Muon": {"momentum_buffer": "int8"}}
+OPTIMIZER_CODECS = {
+    "8bit": MUON_MOMENTUM,
+    "4bit": {"SGD": {"momentum_buffer": Int4Codec(stochastic_rounding=True)}, **MUON_MOMENTUM},
+}
+
 #: preset name -> WarmupPolicy arguments
 PRESETS = {
     "fp32": dict(warmup_steps=0, momentum_codec="fp32", variance_codec="fp32"),
@@ -20,17 +31,19 @@ PRESETS = {
     # stochastic rounding keeps the slow EMAs unbiased (a nearest-rounded int8 second moment can
     # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step); see BENCHMARKS.md
     "8bit": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                 variance_codec=Int8Codec(stochastic_rounding=True)),
+                 variance_codec=Int8Codec(stochastic_rounding=True), optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
     # the 4-bit second moment rounds stochastically for the same reason: fine-tuning from a
     # checkpoint (bench --convergence --finetune, BENCHMARKS.md section 12) ended +0.53% above
     # AdamW with nearest rounding, +0.03% with it (AdamW's seed spread there: 0.32%)
-    "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True)),
+    "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
+                 optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
     "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                    variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False),
+                    variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False,
+                    optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
     # the smallest state: 4-bit for every tensor, biases and norms included (tests/test_fidelity.py's
     # 300-step task: +1.41% of AdamW's tail loss, where "4bit", small tensors fp32, is +0.31%)
     "4bit-all": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
-                     min_int8_elements=0),
+                     min_int8_elements=0, optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
 }
 # bf16 parameters with fp32 master weights kept as optimizer state (see master_weights.py; cast the
 # model with optstate_core.cast_model): "bf16w-*" keep the exact fp32 master (int16 correction),

@@ -7,6 +7,7 @@ Commands:
           over several seeds; --e2e: whole training steps; --capacity: the largest model each
           optimizer trains on one GPU; --peak-bytes: GPU bytes/param at a training step's peak
   plan    what fits? optimizer-state and training memory per preset for a model and a GPU
+  compat  which torch optimizers wrap with which preset, and how close they stay (docs/compatibility.md)
 
 Also runnable as `python -m optstate_core <command>`. `optstate <command> --help` lists
 each command's options.
@@ -79,14 +80,23 @@ def _plan_parser(sub) -> None:
     p.set_defaults(handler=plan.run)
 
 
+def _compat_parser(sub) -> None:
+    from . import compat
+    p = sub.add_parser("compat", help="every torch optimizer x the presets: works, bits/param, loss gap",
+                       description=_plain(compat.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    compat.add_arguments(p)
+    p.set_defaults(handler=compat.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optstate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan,compat}")
     _demo_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
+    _compat_parser(sub)
     return parser
 
 

@@ -78,9 +78,9 @@ def unavailable(c: Contender) -> Optional[str]:
     return None
 
 
-def build(c: Contender, params, model=None) -> Optional[torch.optim.Optimizer]:
+def build(c: Contender, params, model=None, max_grad_norm=None) -> Optional[torch.optim.Optimizer]:
     """The optimizer over ``params`` (None for the forward+backward-only baselines); ``model``
-    for flashoptim's gradient release, which hooks the model."""
+    for flashoptim's gradient release, which hooks the model; ``max_grad_norm`` for optstate's."""
     if not c.has_optimizer:
         return None
     fused = params[0].is_cuda or None
@@ -100,7 +100,7 @@ def build(c: Contender, params, model=None) -> Optional[torch.optim.Optimizer]:
         return opt
     from ..presets import make_policy, wrap
     return wrap(torch.optim.AdamW(params, lr=LR, fused=fused), make_policy(c.preset), offload=c.offload,
-                release_gradients=c.release)
+                release_gradients=c.release, max_grad_norm=max_grad_norm)
 
 
 def free_gradients_in_hooks(params) -> Callable[[], None]:

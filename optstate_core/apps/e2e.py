@@ -72,6 +72,23 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
     return out, budget
 
 
+def contender_configs(names: str, max_grad_norm: float):
+    """``--optimizers`` for --e2e: contenders by name (:mod:`~optstate_core.apps.contenders`), each
+    ``(label, build(params, model), weights dtype)``; optstate rows with gradient release clip with
+    ``max_grad_norm`` (its "previous" rule), the others do not clip."""
+    from . import contenders
+    out = {}
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        c = contenders.parse(name)
+        why = contenders.unavailable(c)
+        if why is not None:
+            log.warning("e2e: %s skipped: %s", name, why)
+            continue
+        clip = max_grad_norm if c.release and c.preset is not None else None
+        out[name] = (lambda ps, model, c=c, clip=clip: contenders.build(c, ps, model, max_grad_norm=clip), c.weights)
+    return out
+
+
 def run_e2e(args) -> int:
     from .measure import pinned_bandwidth
 
@@ -84,18 +101,29 @@ def run_e2e(args) -> int:
     n = sum(p.numel() for p in params)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    configs, budget = e2e_configs(n, args.compare, args.budget_fraction)
+    if args.optimizers:
+        configs, budget = {"forward+backward only": None, **contender_configs(args.optimizers, 1.0)}, 0
+    else:
+        configs, budget = e2e_configs(n, args.compare, args.budget_fraction)
+        configs = {label: (None if b is None else (lambda ps, model, b=b: b(ps)), torch.float32)
+                   for label, b in configs.items()}
     bandwidth = pinned_bandwidth(device)
     rows = []
-    for label, build in configs.items():
+    for label, entry in configs.items():
         log.info("e2e: %s", label)
+        build, weights = entry if entry is not None else (None, torch.float32)
+        if weights != next(model.parameters()).dtype:  # bf16 weights (and fp32 masters as state): cast once
+            from ..state.master_weights import cast_model
+            model.load_state_dict(initial)
+            cast_model(model)
+            params = [p for p in model.parameters() if p.requires_grad]
         model.load_state_dict(initial)
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         try:
-            opt = build(params) if build is not None else None
+            opt = build(params, model) if build is not None else None
             times, held = [], 0
             for i in range(args.warmup + args.steps):
                 torch.cuda.synchronize()
@@ -123,11 +151,14 @@ def run_e2e(args) -> int:
             rows.append((label, None, None, None, None, None, None))
         finally:
             if opt is not None and hasattr(opt, "close"):
-                opt.close()
+                opt.close()  # optstate's hooks go with it
+            handle = getattr(opt, "_optstate_release_handle", None)  # flashoptim's gradient-release hooks
+            if handle is not None:
+                (handle.remove if hasattr(handle, "remove") else handle)()
             opt = None
     fwd_bwd, fwd_bwd_peak = rows[0][1], rows[0][3]
-    ref = next((r[1] for r in rows if r[0] == "torch AdamW fused"), None)
-    ref_b2b = next((r[2] for r in rows if r[0] == "torch AdamW fused"), None)
+    ref = next((r[1] for r in rows if r[0] in ("torch AdamW fused", "adamw")), None)
+    ref_b2b = next((r[2] for r in rows if r[0] in ("torch AdamW fused", "adamw")), None)
     print(f"\ntraining step end to end: Llama-shaped {n / 1e9:.3f}B params (hidden {args.hidden}, {args.layers} "
           f"layers, vocab {args.vocab}), batch {args.batch}x{args.seq}, fp32 master weights, bf16 autocast, "
           f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}")

@@ -8,7 +8,7 @@ import torch
 
 from ..state.codecs import EncodedTensor
 from ..state.dtensor import is_dtensor, like_param, local
-from ..state.store import allocate, allocate_many, is_scalar_state, matches
+from ..state.store import allocate, allocate_many, is_scalar_state, keeps_own_shape, matches
 from ..step.work import Work
 
 
@@ -21,9 +21,9 @@ class Conformer:
     def needs_tiles(self, w: Work) -> bool:
         """Whether the parameter must go through tiles (its state is encoded or changes form)."""
         engine = self.engine
-        tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v)}
-        if not tensors:  # first step: tiles unless the state will be plain device tensors
+        if all(map(is_scalar_state, w.state.values())):  # first step: tiles unless the state will be plain device tensors
             return engine.policy.may_compress(w.info, engine.step_count) or engine.tier_of(w, "") == "host"
+        tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v) and not keeps_own_shape(v, w.key)}
         for key, value in tensors.items():
             if isinstance(value, EncodedTensor):
                 return True

@@ -8,7 +8,7 @@ import torch
 from ..state.codecs import FP32Codec
 from ..state.dtensor import is_dtensor, slab_placements
 from ..policy import Policy
-from ..state.store import is_scalar_state
+from ..state.store import is_scalar_state, keeps_own_shape
 from ..step.work import Work
 
 
@@ -68,7 +68,8 @@ class Placement:
         room = self.budget_bytes(device) - self.staging_size(device)
         resident = set()
         for w in works:
-            keys = [k for k, v in w.state.items() if not is_scalar_state(v)] or ["exp_avg", "exp_avg_sq"]
+            keys = [k for k, v in w.state.items() if not is_scalar_state(v) and not keeps_own_shape(v, w.key)] \
+                or ["exp_avg", "exp_avg_sq"]
             need = 0
             for key in keys:
                 codec = self.codec_of(w, key, step)

@@ -165,10 +165,10 @@ def check_is_state_dict(state_dict) -> None:
         raise ValueError("state_dict must be an optimizer state_dict with 'state' and 'param_groups'")
 
 
-def _check_same_keys(keys_by_group: Dict[int, list]) -> None:
-    """Within one parameter group the optimizer keeps the same state keys for every parameter
-    that has state: an entry missing one of them would fail later, inside ``step()``."""
-    for gi, entries in keys_by_group.items():
+def _check_same_keys(keys_by_group: Dict[tuple, list]) -> None:
+    """Within one parameter group the optimizer keeps the same state keys for every parameter of
+    the same rank that has state: an entry missing one of them would fail later, inside ``step()``."""
+    for (gi, _), entries in keys_by_group.items():
         expected = set().union(*(keys for _, keys in entries if keys))
         for what, keys in entries:
             missing = expected - keys if keys else set()
@@ -230,7 +230,8 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
                 value = _cast_like_torch(param, key, value, group_of[saved_id], keep_dtype=masters)
             st[key] = value
         new_state[param] = st
-        keys_by_group.setdefault(group_index[saved_id], []).append((what, set(entry)))
+        # an optimizer may key state by the tensor's rank (Adafactor factors matrices): compare like with like
+        keys_by_group.setdefault((group_index[saved_id], local(param).dim()), []).append((what, set(entry)))
     _check_same_keys(keys_by_group)
     pin = engine.pin_memory if engine.pin_memory is not None else torch.cuda.is_available()
     for (codec, host, device, dtype), items in encoded.items():

@@ -37,6 +37,14 @@ def is_scalar_state(value) -> bool:
     return True
 
 
+def keeps_own_shape(value, param) -> bool:
+    """A tensor state whose shape is not its parameter's (Adafactor's factored row and column
+    statistics, any optimizer's odd-shaped buffer): kept as the inner optimizer made it, beside
+    the parameter, in every preset; never encoded, tiled or moved to another tier."""
+    return isinstance(value, torch.Tensor) and not is_scalar_state(value) and \
+        tuple(value.shape) != tuple(param.shape)
+
+
 def copy_scalar(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -110,5 +118,5 @@ def state_nbytes(value) -> int:
     return 0
 
 
-__all__ = ["ParamState", "StateMap", "is_scalar_state", "copy_scalar", "matches", "allocate", "allocate_many",
+__all__ = ["ParamState", "StateMap", "is_scalar_state", "keeps_own_shape", "copy_scalar", "matches", "allocate", "allocate_many",
            "state_nbytes"]

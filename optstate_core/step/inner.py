@@ -9,6 +9,8 @@ import torch
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
     if hasattr(torch.optim, n))
+#: torch.optim optimizers whose update needs the whole tensor (factored statistics, orthogonalization)
+NOT_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
 
 
 def group_signature(group: dict) -> tuple:

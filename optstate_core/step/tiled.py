@@ -19,7 +19,7 @@ from ..state.codecs.rounding import RoundingContext, state_seed, stream_key
 from ..state.dtensor import local
 from .inner import run_inner
 from ..state.store import copy_scalar, is_scalar_state
-from .work import Tile, Work
+from .work import Tile, Work, describe_param
 
 TILE_GRANULARITY = 256  # every codec's block size divides this
 
@@ -148,6 +148,13 @@ class TiledStep:
         for key, value in tile.states.items():
             if is_scalar_state(value):
                 w.new_scalars.setdefault(key, value)
+                continue
+            if tuple(value.shape) != (tuple(w.param.shape) if tile.whole else (tile.numel,)):
+                if not tile.whole:  # only an optimizer wrongly declared elementwise makes one
+                    raise ValueError(f"{type(engine.inner).__name__} made state {key!r} of shape "
+                                     f"{tuple(value.shape)} for a tile of {tile.numel} elements of "
+                                     f"{describe_param(w.info)}: it is not elementwise (wrap(..., elementwise=False))")
+                w.dest[key] = value  # its own shape (Adafactor's row/column statistics): kept as it is
                 continue
             dest = w.dest.get(key)
             if dest is None:

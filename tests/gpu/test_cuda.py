@@ -247,3 +247,34 @@ def test_prefetch_during_backward_on_gpu():
             m(x).square().mean().backward()
             o.step()
     torch.testing.assert_close(_flat(model.parameters()), _flat(twin.parameters()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("preset", ["8bit", "4bit", "bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr"])
+def test_released_backward_never_syncs(preset):
+    """Gradient release with clipping: a whole training step (forward, the released backward whose
+    hooks clip and update every tensor, biases and norms included, then step()) runs with CUDA's
+    sync debug mode raising on any host synchronisation, once the first steps built the plans."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.LayerNorm(1024),
+                                torch.nn.Linear(1024, 256)).cuda()
+    if oc.presets.has_master_weights(preset):
+        oc.cast_model(model)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, release_gradients=True, max_grad_norm=1.0)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(64, 256, device="cuda", dtype=dtype)
+
+    def train_step():
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for _ in range(3):
+        train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.step_count == 5 and opt.last_step_timings["fused_params"] == 0  # every tensor updated in its hook
+    assert all(p.grad is None for p in model.parameters())

@@ -1,0 +1,222 @@
+"""``optstate compat``: which ``torch.optim`` optimizers wrap with which preset, the state they keep
+and how close each stays to the unwrapped optimizer (writes docs/compatibility.md).
+
+The task is fixed and small: a 64-256-256-8 GELU MLP (no biases for Muon, which takes matrices
+only) learns a fixed random teacher MLP plus noise (variance 0.01) from 4096 samples in batches of
+128, for ``--steps`` steps. Every optimizer runs unwrapped and wrapped with each preset from the
+same initial weights on the same batches, for seeds 0 .. ``--seeds``-1 (a seed changes the
+student's initial weights and the data). The figure of merit is the held-out loss at the end
+(1024 other samples) against the unwrapped optimizer's on the same seed.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+log = logging.getLogger("optstate.compat")
+
+PRESETS_COMPARED = ("fp32", "bf16", "8bit", "4bit", "offload")
+#: optimizer class name -> its options on the task (learning rates that train it in 60 steps)
+SETTINGS: Dict[str, dict] = {
+    "Adam": dict(lr=3e-3), "AdamW": dict(lr=3e-3, weight_decay=0.01), "Adamax": dict(lr=3e-3),
+    "NAdam": dict(lr=3e-3), "RAdam": dict(lr=3e-3), "SGD": dict(lr=0.05, momentum=0.9),
+    "RMSprop": dict(lr=1e-3), "Adagrad": dict(lr=0.05), "Adadelta": dict(lr=1.0), "ASGD": dict(lr=0.05),
+    "Rprop": dict(lr=1e-3), "Adafactor": dict(lr=1e-2), "Muon": dict(lr=0.02), "LBFGS": dict(lr=1.0),
+    "SparseAdam": dict(lr=1e-3),
+}
+#: the verdict's bounds on the largest per-seed gap to the unwrapped optimizer
+HOLDS, CLOSE = 2.0, 5.0
+TRAIN, HELD_OUT, BATCH = 4096, 1024, 128
+
+
+def torch_optimizers() -> List[str]:
+    """Every optimizer class this torch exports in ``torch.optim``."""
+    return sorted(name for name, obj in vars(torch.optim).items()
+                  if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer)
+
+
+def task(seed: int, bias: bool):
+    """The student model (seeded) and the data: a fixed teacher's outputs plus noise, split into
+    training and held-out samples."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(TRAIN + HELD_OUT, 64, generator=gen)
+    teacher = [torch.randn(64, 128, generator=gen) / 8, torch.randn(128, 8, generator=gen) / 11]
+    y = torch.nn.functional.gelu(x @ teacher[0]) @ teacher[1] + 0.1 * torch.randn(len(x), 8, generator=gen)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=bias), torch.nn.GELU(),
+                                torch.nn.Linear(256, 256, bias=bias), torch.nn.GELU(), torch.nn.Linear(256, 8, bias=bias))
+    return model, (x[:TRAIN], y[:TRAIN]), (x[TRAIN:], y[TRAIN:]), gen
+
+
+@dataclass
+class Run:
+    """One optimizer under one preset (None: unwrapped) and one seed."""
+    loss: float
+    bits_per_param: Optional[float]
+
+
+def run_one(name: str, preset: Optional[str], seed: int, steps: int) -> Run:
+    """Train the task; raises what ``wrap`` raises for an optimizer it refuses."""
+    from ..presets import wrap
+    model, (x, y), (x_val, y_val), gen = task(seed, bias=name != "Muon")
+    inner = getattr(torch.optim, name)(model.parameters(), **SETTINGS[name])
+    opt = inner if preset is None else wrap(inner, preset)
+    for _ in range(steps):
+        rows = torch.randint(0, TRAIN, (BATCH,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+    with torch.no_grad():
+        loss = float(torch.nn.functional.mse_loss(model(x_val), y_val))
+    bits = None if preset is None else opt.memory_report()["bits_per_param"]
+    return Run(loss, bits)
+
+
+@dataclass
+class Row:
+    """One optimizer x preset: refused (``reason``), or its per-seed gaps in percent."""
+    optimizer: str
+    preset: str
+    reason: Optional[str] = None
+    gaps: List[float] = field(default_factory=list)
+    bits_per_param: Optional[float] = None
+    loss: Optional[float] = None
+
+    @property
+    def verdict(self) -> str:
+        if self.reason is not None:
+            return "refused"
+        worst = max(abs(g) for g in self.gaps)
+        return "holds" if worst <= HOLDS else "close" if worst <= CLOSE else "degrades"
+
+
+def compat_rows(optimizers: Sequence[str], presets: Sequence[str], seeds: int, steps: int,
+                progress=None) -> Dict[str, dict]:
+    """Per optimizer: the unwrapped losses per seed and a :class:`Row` per preset."""
+    table = {}
+    for name in optimizers:
+        try:
+            base = [run_one(name, None, s, steps).loss for s in range(seeds)]
+        except Exception as e:  # the optimizer itself cannot run the task (e.g. SparseAdam on dense gradients)
+            base, unwrapped_error = None, f"{type(e).__name__}: {e}"
+        else:
+            unwrapped_error = None
+        rows = []
+        for preset in presets:
+            row = Row(name, preset)
+            try:
+                runs = [run_one(name, preset, s, steps) for s in range(seeds)]
+            except ValueError as e:  # refused by wrap (or its first step) with a reason
+                row.reason = str(e)
+            except Exception as e:
+                row.reason = f"{type(e).__name__}: {e}"
+            else:
+                if base is None:
+                    row.reason = f"the unwrapped optimizer fails on this task ({unwrapped_error})"
+                    runs = []
+                if runs:
+                    row.gaps = [100 * (r.loss / b - 1) for r, b in zip(runs, base)]
+                    row.bits_per_param = runs[0].bits_per_param
+                    row.loss = statistics.fmean(r.loss for r in runs)
+            rows.append(row)
+            if progress is not None:
+                progress.update(1)
+        table[name] = {"base": base, "error": unwrapped_error, "rows": rows}
+    return table
+
+
+def recommendation(name: str, rows: List[Row]) -> str:
+    """The smallest preset whose verdict holds, else the closest, in words."""
+    if all(r.reason is not None for r in rows):
+        return "cannot be wrapped: " + rows[0].reason.split(";")[0].removeprefix("optimizer: ")
+    order = {r.preset: i for i, r in enumerate(rows)}  # ties: the earlier preset (fp32 first)
+    holding = [r for r in rows if r.verdict == "holds" and r.bits_per_param is not None]
+    if holding:
+        best = min(holding, key=lambda r: (round(r.bits_per_param, 1), order[r.preset]))
+        if all(round(r.bits_per_param, 1) == round(best.bits_per_param, 1) for r in rows if r.reason is None):
+            return f"`{best.preset}`: no preset compresses its state on this task (its state stays fp32)"
+        return f"`{best.preset}` (smallest state that holds the loss)"
+    close = [r for r in rows if r.verdict == "close"]
+    if close:
+        best = min(close, key=lambda r: (round(r.bits_per_param, 1), order[r.preset]))
+        return f"`{best.preset}` stays within {CLOSE:g}%; nothing smaller holds"
+    return "no compressed preset holds its loss on this task"
+
+
+def to_markdown(table: Dict[str, dict], seeds: int, steps: int, header: str = "") -> str:
+    """docs/compatibility.md: one row per optimizer and preset, then a recommendation per optimizer."""
+    out = [header.rstrip(), "", "| optimizer | preset | works | state bits/param | held-out loss (unwrapped) | "
+           "gap per seed | verdict |", "|---|---|---|---:|---|---|---|"]
+    for name, entry in table.items():
+        for row in entry["rows"]:
+            if row.reason is not None:
+                out.append(f"| {name} | `{row.preset}` | no: {row.reason.splitlines()[0]} | | | | refused |")
+                continue
+            base = statistics.fmean(entry["base"])
+            gaps = ", ".join(f"{g:+.2f}%" for g in row.gaps)
+            out.append(f"| {name} | `{row.preset}` | yes | {row.bits_per_param:.1f} | {row.loss:.4f} ({base:.4f}) | "
+                       f"{gaps} | {row.verdict} |")
+    out += ["", "Recommendation per optimizer (smallest state whose every seed stays within "
+            f"{HOLDS:g}% of the unwrapped loss):", ""]
+    out += [f"- {name}: {recommendation(name, entry['rows'])}" for name, entry in table.items()]
+    out += ["", f"Settings: {steps} steps, seeds 0-{seeds - 1}, torch {torch.__version__}; `holds`: every seed within "
+            f"{HOLDS:g}% of the unwrapped optimizer's held-out loss, `close`: within {CLOSE:g}%, `degrades`: beyond."]
+    return "\n".join(out) + "\n"
+
+
+HEADER = """# Compatibility: every torch optimizer x the presets
+
+> Which `torch.optim` optimizers can I wrap, with which preset, and how close do they stay to the
+> unwrapped optimizer?
+
+Made by `optstate compat` (`optstate_core/apps/compat.py`, which also says what the task is); rerun
+it after a change to a codec or a preset. State bits/param count what `memory_report()` counts on
+this small model, where tensors under 4096 elements (biases) stay fp32, so they sit above the
+figures of a large model. Adafactor keeps its factored row and column statistics as they are (fp32,
+beside the parameter, in every preset, `offload` included): only its 1-D `variance` of tensors of
+4096 elements or more is compressed. Muon takes 2-D parameters only: its model has no biases. The
+presets pick a codec per optimizer where one needs it (`optimizer_codecs` in `presets.py`): SGD's
+momentum rounds stochastically at 4 bits, Muon's momentum stays int8 with nearest rounding in
+every compressed preset (4 bits or stochastic rounding do not hold its loss)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=200, help="training steps per run (default: %(default)s)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per optimizer and preset (default: %(default)s)")
+    p.add_argument("--optimizers", default=None,
+                   help="comma-separated torch.optim class names (default: every one this torch has)")
+    p.add_argument("--presets", default=",".join(PRESETS_COMPARED), help="comma-separated (default: %(default)s)")
+    p.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/compatibility.md)")
+
+
+def run(args) -> int:
+    if args.steps < 1 or args.seeds < 1:
+        raise ValueError(f"--steps and --seeds must be at least 1, got {args.steps} and {args.seeds}")
+    names = torch_optimizers() if args.optimizers is None else [n.strip() for n in args.optimizers.split(",")]
+    unknown = [n for n in names if n not in SETTINGS or not hasattr(torch.optim, n)]
+    if unknown:
+        raise ValueError(f"--optimizers: {', '.join(unknown)} not in torch.optim or without settings here "
+                         f"(known: {', '.join(sorted(SETTINGS))})")
+    presets = [p.strip() for p in args.presets.split(",")]
+    from ..presets import PRESET_ALIASES, PRESETS
+    bad = [p for p in presets if PRESET_ALIASES.get(p, p) not in PRESETS]
+    if bad:
+        raise ValueError(f"--presets: unknown {', '.join(bad)}")
+    from tqdm import tqdm
+    torch.set_num_threads(1)
+    logging.getLogger("optstate").setLevel(logging.WARNING)  # not one line per wrapped run
+    log.setLevel(logging.INFO)
+    with tqdm(total=len(names) * len(presets), desc="optstate compat") as bar:
+        table = compat_rows(names, presets, args.seeds, args.steps, progress=bar)
+    text = to_markdown(table, args.seeds, args.steps, HEADER)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        log.info("wrote %s", args.out)
+    return 0
