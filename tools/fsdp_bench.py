@@ -109,13 +109,15 @@ def main():
         opt = build(params)
         tokens = torch.randint(0, 32000, (args.batch, args.seq), device=device,
                                generator=torch.Generator(device).manual_seed(rank))
-        iters, steps, hosts = [], [], []
+        iters, steps, hosts, after_backward = [], [], [], []
         for i in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
+            if i >= args.warmup:  # what backward leaves for step(): gradients (none if released), leftovers
+                after_backward.append(torch.cuda.memory_allocated() / 2**30)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             h0 = time.perf_counter()
@@ -133,7 +135,7 @@ def main():
         held = state_bytes(opt)
         peak = torch.cuda.max_memory_allocated() / 2**30
         rows.append((label, statistics.median(steps), statistics.median(hosts), statistics.median(iters), held,
-                     held * 8 / n_local, peak, loss.item()))
+                     held * 8 / n_local, peak, max(after_backward), loss.item()))
         if hasattr(opt, "close"):
             opt.close()
         del model, opt, params
@@ -145,11 +147,11 @@ def main():
               f"({n_local / 1e9:.3f}B per rank), batch {args.batch}x{args.seq} per rank, bf16 autocast, "
               f"torch {torch.__version__}")
         print("| configuration | optimizer step ms | x fused | step() host ms | iteration ms | x fused "
-              "| optimizer GPU MiB per rank | bits/param (local) | peak GiB | last loss |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for label, s, host, it, held, bits, peak, loss in rows:
+              "| optimizer GPU MiB per rank | bits/param (local) | peak GiB | allocated after backward GiB | last loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, s, host, it, held, bits, peak, after, loss in rows:
             print(f"| {label} | {s:.2f} | {s / ref_step:.2f} | {host:.2f} | {it:.1f} | {it / ref_iter:.2f} "
-                  f"| {held / 2**20:.0f} | {bits:.2f} | {peak:.1f} | {loss:.3f} |")
+                  f"| {held / 2**20:.0f} | {bits:.2f} | {peak:.2f} | {after:.2f} | {loss:.3f} |")
     dist.barrier()
     dist.destroy_process_group()
 

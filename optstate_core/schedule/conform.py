@@ -33,6 +33,18 @@ class Conformer:
                 return True
         return False
 
+    def differs(self, w: Work) -> bool:
+        """Whether any state of the parameter is not in the form (codec and tier) the policy wants
+        now; a state already in it is left as it is (re-encoding it would move stochastically
+        rounded codes whose decoded value does not land back on its level exactly)."""
+        engine = self.engine
+        for key, value in w.state.items():
+            if is_scalar_state(value) or keeps_own_shape(value, w.key):
+                continue
+            if not matches(value, engine.codec_of(w, key), engine.tier_of(w, key) == "host", w.param.device):
+                return True
+        return False
+
     def preallocate(self, works: List[Work]) -> None:
         """Destinations for states that change form this step, one allocation per form."""
         engine = self.engine
@@ -65,7 +77,7 @@ class Conformer:
 
     def conform(self, params=None) -> None:
         """Re-store state in the form the policy wants now (no update), tile by tile; a state
-        that only changes tier is copied as it is."""
+        that only changes tier is copied as it is, one already in its form is not touched."""
         engine = self.engine
         engine.invalidate_plan()
         engine.sync_transfers()
@@ -74,7 +86,7 @@ class Conformer:
         for p, info in engine.param_infos():
             if p in engine.state and (wanted is None or id(p) in wanted):
                 w = Work(p, info, engine.state[p])
-                if any(not is_scalar_state(v) for v in w.state.values()) and self.needs_tiles(w):
+                if self.differs(w):
                     works.append(w)
         works = self.retier(works)
         if works:
@@ -100,4 +112,4 @@ class Conformer:
                 for name, t in dst.payload.items():
                     t.copy_(src.payload[name])
                 w.state[key] = dst
-        return [w for w in works if self.needs_tiles(w)]
+        return [w for w in works if self.differs(w)]

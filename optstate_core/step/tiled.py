@@ -29,6 +29,7 @@ class TiledStep:
 
     def __init__(self, engine):
         self.engine = engine
+        self.updating = True  # run(update=False) re-stores state in its wanted form only
 
     def tiles_of(self, w: Work, max_elems: int) -> List[Tile]:
         engine = self.engine
@@ -81,6 +82,7 @@ class TiledStep:
 
     def run(self, works: List[Work], update: bool) -> None:
         engine = self.engine
+        self.updating = update
         self.engine.conformer.preallocate(works)
         for chunk in self.chunks(works):
             t0 = time.perf_counter()
@@ -159,6 +161,8 @@ class TiledStep:
             dest = w.dest.get(key)
             if dest is None:
                 dest = w.dest[key] = self.engine.conformer.destination(w, key, value)
+            if not self.updating and dest is w.state.get(key):
+                continue  # re-storing only: a state already in its form keeps its words
             if isinstance(dest, torch.Tensor):
                 dest = local(dest)
                 target = dest if tile.whole else dest.view(-1)[tile.start:tile.stop]
