@@ -76,13 +76,19 @@ def test_release_matches_step_and_frees_gradients(preset, accumulate):
     assert torch.equal(torch.as_tensor(s0["state"][0]["step"]), torch.as_tensor(s1["state"][0]["step"]))
 
 
-def test_release_checkpoint_resume_and_nan_skip():
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+def test_release_checkpoint_resume_and_nan_skip(max_grad_norm):
+    """A resumed run equals the uninterrupted one, with clipping by the previous step's norm too
+    (the checkpoint carries that norm: a clip at 0.05 scales every step's gradients)."""
     model = _model()
-    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "8bit", release_gradients=True)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "8bit", release_gradients=True,
+                  max_grad_norm=max_grad_norm)
     _run(model, opt, _batches(2), release=True)
     saved = copy.deepcopy(opt.state_dict())
+    assert ("last_grad_norm" in saved["optstate"]["clip"]) and float(opt.last_grad_norm) > 0.05
     model2 = copy.deepcopy(model)
-    opt2 = oc.wrap(torch.optim.AdamW(model2.parameters(), lr=1e-2), "8bit", release_gradients=True)
+    opt2 = oc.wrap(torch.optim.AdamW(model2.parameters(), lr=1e-2), "8bit", release_gradients=True,
+                   max_grad_norm=max_grad_norm)
     opt2.load_state_dict(saved)
     for m, o in ((model, opt), (model2, opt2)):
         _run(m, o, _batches(2, seed=5), release=True)
@@ -95,6 +101,20 @@ def test_release_checkpoint_resume_and_nan_skip():
     after = list(model.parameters())
     assert torch.equal(before[0], after[0]) and not torch.equal(before[2], after[2])
     assert opt.memory_report()["nonfinite_skipped"] >= 1
+
+
+def test_a_bad_clip_state_in_a_checkpoint_changes_nothing():
+    model = _model()
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "8bit", release_gradients=True, max_grad_norm=1.0)
+    _run(model, opt, _batches(1), release=True)
+    saved = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    for bad in ({"last_grad_norm": "big"}, {"last_grad_norm": -1.0}, [1.0]):
+        sd = copy.deepcopy(saved)
+        sd["optstate"]["clip"] = bad
+        with pytest.raises(ValueError, match="clip state"):
+            opt.load_state_dict(sd)
+        assert opt.state_dict()["optstate"] == before["optstate"]
 
 
 def _clip_reference(model, opt_cls, batches, rule):

@@ -210,6 +210,24 @@ class GradientRelease:
         norm = self._global_norm()
         return norm if norm is not None else self.last_grad_norm
 
+    def clip_state(self) -> dict:
+        """What the next step's clipping depends on, for checkpoints: the last global norm as a
+        float (read from the device: ``state_dict()`` synchronises once)."""
+        return {} if self.last_grad_norm is None else {"last_grad_norm": float(self.last_grad_norm)}
+
+    def load_clip_state(self, state: dict) -> None:
+        """Restore :meth:`clip_state` (validated by the caller): the last norm, and the clip factor
+        of the "previous" rule computed from it as ``after_step`` computes it."""
+        self._norms, self._scaled, self._scale = [], None, None
+        norm = state.get("last_grad_norm")
+        if norm is None:
+            self.last_grad_norm = None
+            return
+        device = next((p.device for g in self.engine.inner.param_groups for p in g["params"]), torch.device("cpu"))
+        self.last_grad_norm = torch.tensor(norm, dtype=torch.float32, device=device)
+        if self.max_grad_norm is not None and self.clip_mode == "previous":
+            self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
+
     def after_step(self) -> None:
         """End of ``step()``: the step's global norm, and the next step's clip factor."""
         norm = self._global_norm()

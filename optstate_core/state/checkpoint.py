@@ -87,7 +87,8 @@ def build_state_dict(engine, param_groups) -> dict:
             index += 1
         groups.append(packed)
     meta = {"format_version": FORMAT_VERSION, "step": engine.step_count, "policy": engine.policy.state_dict(),
-            "seed": engine.seed, "nonfinite_skipped": engine.nonfinite_skipped()}
+            "seed": engine.seed, "nonfinite_skipped": engine.nonfinite_skipped(),
+            "clip": engine.gradient_release.clip_state()}
     if groups:  # also in the first group: torch.distributed.checkpoint keeps only state and groups
         groups[0][META_KEY] = meta
     return {"state": state, "param_groups": groups, "optstate": meta}
@@ -188,6 +189,11 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
     if meta is not None and meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"state_dict: format_version {meta.get('format_version')} is newer than this "
                          f"optstate ({FORMAT_VERSION}); upgrade optstate to load it")
+    clip = {} if meta is None else meta.get("clip", {})
+    norm = clip.get("last_grad_norm") if isinstance(clip, dict) else None
+    if not isinstance(clip, dict) or (norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
+                                                            or not norm >= 0)):
+        raise ValueError(f"state_dict: optstate clip state must be {{'last_grad_norm': a number >= 0}}, got {clip!r}")
     if len(saved_groups) != len(groups):
         raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer has {len(groups)}")
     for i, (g, sg) in enumerate(zip(groups, saved_groups)):
@@ -252,6 +258,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         engine.step_count = int(meta.get("step", 0))
         engine.restore_nonfinite_count(int(meta.get("nonfinite_skipped", 0)))
         engine.policy.load_state_dict(meta.get("policy", {}))
+        engine.gradient_release.load_clip_state(clip)
     else:
         engine.step_count = _infer_step(new_state)
     with torch.no_grad():
