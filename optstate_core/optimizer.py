@@ -11,7 +11,7 @@ from . import metrics
 from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
-from .schedule.release import GradientRelease, check_clip_options, check_release_supported
+from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options, check_release_supported
 from .step.inner import NOT_ELEMENTWISE
 from .state.units import parse_bytes
 
@@ -86,6 +86,9 @@ class VirtualOptimizer(torch.optim.Optimizer):
             update each parameter in its post-accumulate-grad hook and free its gradient at
             once; ``step()`` then only advances the step. One process, no ``gpu_budget``, no
             GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.schedule.release`.
+        release_bucket_bytes: released gradients wait until this many bytes of them are pending
+            (and at the end of backward), then one launch updates them all (default 256MB; 0:
+            each parameter in its own hook). A byte count or a string ("64MB").
         max_grad_norm: clip gradients to this 2-norm before the update (None: no clipping).
         clip_mode: ``"auto"`` (``"global"`` without release, ``"previous"`` with it),
             ``"global"`` (torch's ``clip_grad_norm_`` over all gradients in ``step()``),
@@ -101,7 +104,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
                  staging_bytes="256MB", prefetch_budget=None, prefetch_during_backward: Optional[bool] = None,
-                 release_gradients: bool = False,
+                 release_gradients: bool = False, release_bucket_bytes=DEFAULT_BUCKET_BYTES,
                  max_grad_norm=None, clip_mode: str = "auto"):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
@@ -162,6 +165,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if not isinstance(release_gradients, bool):
             raise ValueError(f"release_gradients must be True or False, got {release_gradients!r}")
         max_grad_norm, clip_mode = check_clip_options(max_grad_norm, clip_mode, release_gradients)
+        if not (release_bucket_bytes == 0 and not isinstance(release_bucket_bytes, bool)):
+            release_bucket_bytes = parse_bytes(release_bucket_bytes, "release_bucket_bytes")
         if release_gradients and prefetch_budget == AUTO and not prefetch_during_backward:
             prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
         if elementwise is not None and not isinstance(elementwise, bool):
@@ -182,7 +187,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
                         staging_bytes=staging_bytes, prefetch_budget=prefetch_budget)
         engine.placement.offload_all = offload
         engine.check_in_backward = check_in_backward
-        engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode)
+        engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode,
+                                                  release_bucket_bytes)
         if release_gradients:
             engine.gradient_release.group = check_release_supported(
                 engine, [p for g in optimizer.param_groups for p in g["params"]])

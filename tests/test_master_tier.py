@@ -46,6 +46,7 @@ def train(preset, steps=3, fused=True, release=False, **options):
         if release:
             for p in ps:  # what autograd's post-accumulate-grad hooks do on the boundary micro-batch
                 opt._engine.schedule.gradient_ready(p)
+            opt._engine.gradient_release.flush()  # and its callback at the end of backward
             assert all(p.grad is None for p in ps)
         opt.step()
     return ps, opt

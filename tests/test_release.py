@@ -20,13 +20,13 @@ def _batches(n, seed=1, dtype=torch.float32):
 
 
 def _run(model, opt, batches, accumulate=1, release=False):
-    """Training loop with accumulation; returns the max number of gradients alive at once in
-    backward on boundary micro-batches (seen from a hook that runs after the release hook)."""
+    """Training loop with accumulation; returns the most gradient bytes alive at once in backward
+    on boundary micro-batches (seen from a hook that runs after the release hook)."""
     alive = []
     params = list(model.parameters())
 
     def count(_):
-        alive.append(sum(p.grad is not None for p in params))
+        alive.append(sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None))
 
     handles = [p.register_post_accumulate_grad_hook(count) for p in params]
     for i, x in enumerate(batches):
@@ -50,9 +50,14 @@ def _run(model, opt, batches, accumulate=1, release=False):
     return max(alive, default=0)
 
 
-@pytest.mark.parametrize("preset,accumulate", [("fp32", 2), ("8bit", 1), ("bf16w-4bit-lean", 2),
-                                               ("bf16w-8bit", 1)])
-def test_release_matches_step_and_frees_gradients(preset, accumulate):
+@pytest.mark.parametrize("preset,accumulate,bucket", [("fp32", 2, 0), ("8bit", 1, 0), ("8bit", 1, 16384),
+                                                      ("8bit", 1, None), ("bf16w-4bit-lean", 2, 16384),
+                                                      ("bf16w-8bit", 1, 0)])
+def test_release_matches_step_and_frees_gradients(preset, accumulate, bucket):
+    """Released, the run equals step() bit for bit, and gradients are freed as they are updated:
+    with ``release_bucket_bytes=0`` each in its own hook (none outlives its hook), with a bucket
+    in batches of fewer pending bytes than the bucket, by default at the end of backward at the
+    latest (no gradient is left when backward returns: asserted in ``_run``)."""
     batches = _batches(6)
     results = []
     for release in (False, True):
@@ -61,13 +66,14 @@ def test_release_matches_step_and_frees_gradients(preset, accumulate):
         if preset.startswith("bf16w"):
             cast_model(model)
             dtype = torch.bfloat16
-        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, release_gradients=release)
+        options = {} if bucket is None or not release else {"release_bucket_bytes": bucket}
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, release_gradients=release, **options)
         peak = _run(model, opt, [b.to(dtype) for b in batches], accumulate=accumulate, release=release)
         results.append((model, opt, peak))
     (m0, o0, peak0), (m1, o1, peak1) = results
-    assert peak0 == len(list(m0.parameters()))
-    if accumulate == 1:  # released: one gradient at a time (accumulated ones live until the boundary)
-        assert peak1 == 0  # after each release hook no gradient is left: at most one lives at a time
+    assert peak0 == sum(p.numel() * p.element_size() for p in m0.parameters())
+    if accumulate == 1 and bucket is not None:  # accumulated gradients live until the boundary
+        assert peak1 == 0 if bucket == 0 else 0 < peak1 < bucket
     assert o0.step_count == o1.step_count == 6 // accumulate
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)

@@ -37,6 +37,7 @@ import logging
 from typing import Dict, Optional
 
 import torch
+from torch.autograd import Variable
 
 from ..state.dtensor import is_dtensor, local
 from ..step.cpu_step import run_cpu_plans
@@ -47,6 +48,10 @@ log = logging.getLogger("optstate")
 
 CLIP_MODES = ("auto", "global", "previous", "per_tensor")
 EPS = 1e-6
+#: released gradients pending before one batched update (``wrap(release_bucket_bytes=...)``): a
+#: launch per parameter costs ~0.1 ms of host time on a GPU (pointer tables, Triton's launcher),
+#: and a few hundred MB of gradients is little beside what release frees
+DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
@@ -69,9 +74,11 @@ def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
 class GradientRelease:
     """Per-parameter updates from the backward hook, and clipping for both modes of stepping."""
 
-    def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str):
+    def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.engine = engine
         self.release = release
+        self.bucket_bytes = bucket_bytes  # released gradients wait until this many bytes are pending
         self.max_grad_norm = max_grad_norm
         self.clip_mode = clip_mode
         self.last_grad_norm: Optional[torch.Tensor] = None  # global norm of the last step, pre-clip
@@ -79,23 +86,45 @@ class GradientRelease:
         self._norms = []  # this step's per-gradient norms so far (fp32 0-dim tensors, pre-clip)
         self._scaled = None  # ``_scale`` cast for the gradients of this step: (device, dtype, tensor)
         self._infos: Dict[int, object] = {}
-        self._buckets: Dict[int, tuple] = {}  # id(param) -> (its one-parameter bucket, _bucket_key)
+        self._buckets: Dict[tuple, tuple] = {}  # ids of a batch's params -> (its buckets, their keys)
+        self._pending = []  # (param, ParamInfo) released, waiting for their batch's update
+        self._pending_bytes = 0
         self.released = 0  # parameters updated in backward this step
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
-        """Backward hook on the boundary micro-batch: clip, update this parameter, free its gradient."""
+        """Backward hook on the boundary micro-batch: queue this parameter for its batch's update;
+        once ``bucket_bytes`` of gradients are pending (and at the end of backward), :meth:`flush`."""
         if param.grad is None:
             return
         info = self._info_of(param)
         if info is None:
             return
-        with torch.no_grad():
-            self._clip_one(param.grad)
-            self.step_params([(param, info)])
-        param.grad = None
+        if not self._pending:  # the first of this backward: the rest goes when backward ends
+            try:
+                Variable._execution_engine.queue_callback(self.flush)
+            except RuntimeError:  # called outside a backward (by hand): step() flushes
+                pass
+        grad = local(param.grad)
+        self._pending.append((param, info))
+        self._pending_bytes += grad.numel() * grad.element_size()
         self.released += 1
+        if self._pending_bytes >= self.bucket_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Clip, update and free the pending released gradients: one launch per kind of state for
+        the whole batch (the same paths step() would take), then every gradient is dropped."""
+        if not self._pending:
+            return
+        items, self._pending, self._pending_bytes = self._pending, [], 0
+        with torch.no_grad():
+            for p, _ in items:
+                self._clip_one(p.grad)
+            self.step_params(items)
+        for p, _ in items:
+            p.grad = None
 
     def _info_of(self, param):
         info = self._infos.get(id(param))
@@ -111,24 +140,22 @@ class GradientRelease:
         paths check on the host. A fused parameter's one-parameter bucket is kept for its next
         release while nothing it depends on changes (:meth:`_cached_bucket`)."""
         engine = self.engine
-        works, cached = [], []
-        for p, info in items:
-            bucket = self._cached_bucket(p)
-            if bucket is not None:
-                cached.append(bucket)
-            else:
-                works += collect([(p, info)], engine.state)
-        routes = engine.router.route(works)
+        batch = tuple(id(p) for p, _ in items)
+        cached = self._cached_buckets(batch, items)
+        if cached is not None:
+            engine.schedule.run(cached)
+            engine._plan_cache = None
+            return
+        routes = engine.router.route(collect(items, engine.state))
         if engine.skip_nonfinite and (routes.passthrough or routes.cpu or routes.tiled):
             kept = {id(w) for w in engine._drop_nonfinite(routes.passthrough + routes.cpu + routes.tiled)}
             routes.passthrough, routes.cpu, routes.tiled = ([w for w in ws if id(w) in kept] for ws in (
                 routes.passthrough, routes.cpu, routes.tiled))
         buckets = engine.fused.build(routes.fused) if routes.fused else []
-        if buckets or cached:
-            engine.schedule.run(cached + buckets)
-        for b in buckets:  # launched once: no longer a first step, so reusable
-            if len(b.keys) == 1:
-                self._buckets[id(b.keys[0])] = (b, self._bucket_key(b.keys[0]))
+        if buckets:
+            engine.schedule.run(buckets)  # launched once: no longer a first step, so reusable
+            if len(routes.fused) == len(items):
+                self._buckets[batch] = (buckets, [self._bucket_key(p) for p, _ in items])
         run_cpu_plans(engine, routes.cpu)
         if routes.passthrough:
             run_inner(engine.inner, [(w.key, w.state, w.info.group_index) for w in routes.passthrough], engine.state)
@@ -147,25 +174,27 @@ class GradientRelease:
                 engine.policy.decision_key(engine.step_count),
                 engine.skip_nonfinite, id(st), tuple(map(id, st.values())) if st is not None else ())
 
-    def _cached_bucket(self, p):
-        entry = self._buckets.get(id(p))
+    def _cached_buckets(self, batch: tuple, items):
+        """The buckets kept for this batch of parameters if nothing they depend on changed."""
+        entry = self._buckets.get(batch)
         if entry is None:
             return None
-        bucket, key = entry
-        if bucket.keys[0] is not p or bucket.states[0] is not self.engine.state.get(p) or bucket.first \
-                or key != self._bucket_key(p):
-            del self._buckets[id(p)]
+        buckets, keys = entry
+        state = self.engine.state
+        if any(b.first or any(s is not state.get(k) for k, s in zip(b.keys, b.states)) for b in buckets) or \
+                any(key != self._bucket_key(p) for (p, _), key in zip(items, keys)):
+            del self._buckets[batch]
             return None
-        return bucket
+        return buckets
 
     def forget_buckets(self) -> None:
         """Drop the kept buckets (the engine's plan was invalidated: state loaded, moved or recast)."""
         self._buckets.clear()
 
     def __getstate__(self):
-        """Copies keep no buckets (their pointer tables address the original's memory)."""
+        """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
-        state.update(_buckets={}, _infos={})
+        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0)
         return state
 
     # -- clipping ----------------------------------------------------------------------------------
@@ -196,7 +225,9 @@ class GradientRelease:
 
     def before_step(self, params) -> None:
         """In ``step()``, before the update of the gradients still present: global clipping, or
-        the release modes' rule for gradients that were not released."""
+        the release modes' rule for gradients that were not released (released ones still pending
+        are updated first: a backward whose end was not seen, e.g. FSDP2's last hooks)."""
+        self.flush()
         with_grad = [p for p in params if p.grad is not None]
         if not self.release and self.max_grad_norm is not None and self.clip_mode == "global" and with_grad:
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm, foreach=None)
@@ -207,6 +238,7 @@ class GradientRelease:
     def norm_so_far(self) -> Optional[torch.Tensor]:
         """This step's global gradient norm over the gradients seen so far (pre-clip), else the
         last step's: what a framework's clipping call after backward would have returned."""
+        self.flush()
         norm = self._global_norm()
         return norm if norm is not None else self.last_grad_norm
 

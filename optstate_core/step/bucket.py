@@ -12,6 +12,11 @@ from .kernels import launch
 _DATA_PTR, _GRAD = methodcaller("data_ptr"), attrgetter("grad")
 
 
+def _tiles(rows, cols) -> int:
+    """256-element tiles of slabs ``rows[i] x cols[i]`` (each row a whole number of tiles)."""
+    return sum(r * -(-c // launch.TILE) for r, c in zip(rows, cols))
+
+
 def aligned_layout(p: torch.Tensor) -> bool:
     """Rows are whole 256-element tiles and offsets fit in int32: the kernels' fast layout."""
     rows = p.shape[0] if p.dim() >= 2 else 1
@@ -35,6 +40,7 @@ class Bucket:
         self.storages = storages
         self.plan = plan
         self.first = plan["first"]
+        self.tiles = _tiles(self.rows, self.cols)  # 256-element tiles of the launch
         self.aligned = aligned_layout(self.params[0])
         self.whole = self._is_whole()
         self._tables = {}
@@ -76,6 +82,7 @@ class Bucket:
         sub.cols = [self.cols[i] for i, _, _ in pieces]
         sub.bases = [self.bases[i] + r0 * self.cols[i] for i, r0, _ in pieces]
         sub.group_index, sub.plan, sub.first, sub.aligned = self.group_index, self.plan, self.first, self.aligned
+        sub.tiles = _tiles(sub.rows, sub.cols)
         sub.whole = sub._is_whole()
         sub.storages = storages
         sub._tables = {}

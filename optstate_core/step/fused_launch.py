@@ -63,6 +63,34 @@ def launch_shape(plan) -> tuple:
     return nblk, warps, iters if plan["kind"] == "adam" else 1, regs or None
 
 
+#: resident warps an SM keeps for these kernels (Hopper: 64; the 4-bit shape's register cap allows 32 one-warp programs)
+WARPS_PER_SM = 32
+
+
+def loops_for(tiles: int, nblk: int, iters: int, warps: int, device) -> int:
+    """The loop count of a launch over ``tiles`` 256-element tiles: the shape's ``iters``, halved
+    while the launch would have fewer programs than one wave of the GPU (``WARPS_PER_SM / warps``
+    per SM), as a launch of one parameter (gradient release) or a small bucket does: looping
+    amortizes a program's setup over a whole model, but on one tensor it idles most SMs. Results
+    do not depend on it (``tests/kernels``: tiles per program)."""
+    if iters <= 1 or device.type != "cuda":
+        return iters
+    wave = _sm_count(device) * max(1, WARPS_PER_SM // warps)
+    while iters > 1 and tiles < nblk * iters * wave:
+        iters //= 2
+    return max(iters, 1)
+
+
+_SMS: Dict[torch.device, int] = {}
+
+
+def _sm_count(device) -> int:
+    count = _SMS.get(device)
+    if count is None:
+        count = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
 # hardware square root and reciprocal square root (a few ulp) in the update; "0" for correctly rounded ones
 FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
@@ -139,6 +167,7 @@ class KernelLauncher:
         device, n = params[0].device, len(params)
         group = engine.inner.param_groups[bucket.group_index]
         nblk, warps, iters, maxnreg = launch_shape(plan)
+        iters = loops_for(bucket.tiles, nblk, iters, warps, device)
         memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
             # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in

@@ -88,21 +88,25 @@ def test_master_kernel_first_step_uses_the_cast_remainder_and_skips_nonfinite():
 
 
 def test_released_gradients_take_the_kernel_too():
-    """Gradient release steps each parameter through its own kernel launch: same result as step()."""
+    """Gradient release steps the released parameters through the kernels, in their own launches
+    (per parameter with ``release_bucket_bytes=0``, else per batch): same result as step()."""
     results = []
-    for release in (False, True):
+    for release, bucket in ((False, None), (True, 0), (True, None)):
         m = model()
+        options = {} if bucket is None else {"release_bucket_bytes": bucket}
         opt = oc.wrap(torch.optim.AdamW(m.parameters(), lr=1e-2), "bf16w-4bit-lean", fused=True,
-                      release_gradients=release)
+                      release_gradients=release, **options)
         ps = list(m.parameters())
         for step in range(2):
             set_grads(ps, step)
             if release:
                 for p in ps:  # what autograd's post-accumulate-grad hooks do
                     opt._engine.schedule.gradient_ready(p)
+                    assert (p.grad is None) == (bucket == 0)  # batched: pending until the batch fills
+                opt._engine.gradient_release.flush()  # and its callback at the end of backward
                 assert all(p.grad is None for p in ps)
             opt.step()
         assert opt.last_step_timings["fused_params"] == (0 if release else len(SHAPES))
         results.append((ps, masters(opt, ps)))
-    for a, b in zip(results[0][1], results[1][1]):
-        assert torch.equal(a, b)
+    for a, b, c in zip(results[0][1], results[1][1], results[2][1]):
+        assert torch.equal(a, b) and torch.equal(a, c)

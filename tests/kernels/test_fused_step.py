@@ -342,3 +342,17 @@ def test_unsupported_optimizer_falls_back():
     set_grads(ps, 0)
     opt.step()
     assert opt.last_step_timings["fused_params"] == 0 and opt.step_count == 1
+
+
+def test_small_launches_loop_less_to_fill_the_gpu(monkeypatch):
+    """A launch with fewer programs than one wave of the GPU halves its loop count until it has
+    enough (one parameter of gradient release, a small bucket); a whole model keeps its loops; the
+    interpreter and the CPU keep the shape's loops (results never depend on them: the test above)."""
+    from optstate_core.step import fused_launch
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(fused_launch._SMS, cuda, 132)
+    assert fused_launch.loops_for(3_700_000, 1, 16, 1, cuda) == 16  # 0.95B parameters in one 4-bit launch
+    assert fused_launch.loops_for(16384, 1, 16, 1, cuda) == 2  # one 2048 x 2048 matrix: 8192 programs
+    assert fused_launch.loops_for(16384, 4, 2, 2, cuda) == 1  # the same in int8: 4096 programs
+    assert fused_launch.loops_for(8, 1, 16, 1, cuda) == 1
+    assert fused_launch.loops_for(16384, 1, 16, 1, torch.device("cpu")) == 16

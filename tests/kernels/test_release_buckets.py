@@ -53,23 +53,28 @@ def deepcopy(ps, opt):
 
 
 @pytest.mark.parametrize("change", [lr_change, reload_checkpoint, offload, deepcopy])
-def test_kept_buckets_follow_changes(change):
+@pytest.mark.parametrize("bucket", [0, None], ids=["per-parameter", "batched"])
+def test_kept_buckets_follow_changes(change, bucket):
+    """Kept per parameter (``release_bucket_bytes=0``) or per batch of released parameters (the
+    default: the three here are one batch)."""
+    batches = len(SHAPES) if bucket == 0 else 1
     results = []
     for release in (False, True):
         ps = model()
+        options = {"release_bucket_bytes": bucket} if release and bucket is not None else {}
         opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), "bf16w-4bit-lean", fused=True,
-                      release_gradients=release)
+                      release_gradients=release, **options)
         for s in range(2):
             step(ps, opt, s, release)
         kept = dict(opt._engine.gradient_release._buckets)
         if release:
-            assert len(kept) == len(SHAPES)  # every parameter's bucket is kept after its first release
+            assert len(kept) == batches  # every batch's buckets are kept after its first release
         ps, opt = change(ps, opt)
         for s in range(2, 4):
             step(ps, opt, s, release)
         if release and change is not lr_change:  # new state objects (or a copy): buckets rebuilt
             now = opt._engine.gradient_release._buckets
-            assert len(now) == len(SHAPES) and all(now[k][0] is not kept.get(k, (None,))[0] for k in now)
+            assert len(now) == batches and all(now[k][0] is not kept.get(k, (None,))[0] for k in now)
         results.append(ps)
     for p, q in zip(*results):
         assert torch.equal(p, q)
