@@ -87,7 +87,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
             once; ``step()`` then only advances the step. One process, no ``gpu_budget``, no
             GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.schedule.release`.
         release_bucket_bytes: released gradients wait until this many bytes of them are pending
-            (and at the end of backward), then one launch updates them all (default 256MB; 0:
+            (and at the end of backward), then one launch updates them all (default 256MiB; 0:
             each parameter in its own hook). A byte count or a string ("64MB").
         max_grad_norm: clip gradients to this 2-norm before the update (None: no clipping).
         clip_mode: ``"auto"`` (``"global"`` without release, ``"previous"`` with it),

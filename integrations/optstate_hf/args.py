@@ -79,6 +79,11 @@ def _clip_mode(text) -> str:
     return s
 
 
+def _size_or_zero(text) -> Union[int, str]:
+    """A byte count as :func:`_size`, or 0."""
+    return 0 if str(text).strip() == "0" else _size(text)
+
+
 def _size(text) -> Union[int, str]:
     """A byte count: an int, or a string such as ``64MB`` / ``2GiB`` (kept as text for the core)."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -124,6 +129,8 @@ KEYS: Dict[str, Key] = {
     "release_gradients": Key(_bool, "update each parameter in backward and free its gradient; the Trainer's "
                                     "max_grad_norm is routed to the optimizer", "wrap"),
     "clip_mode": Key(_clip_mode, "how max_grad_norm clips: auto, global, previous or per_tensor", "wrap"),
+    "release_bucket_bytes": Key(_size_or_zero, "with release_gradients: gradient bytes pending before one batched "
+                                               "update (default 256MiB; 0: each parameter in its own hook)", "wrap"),
 }
 #: wrap options that are forwarded only when the installed optstate_core accepts them.
 PASS_THROUGH = ("gpu_budget", "prefetch_during_backward")

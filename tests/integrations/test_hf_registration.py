@@ -190,3 +190,12 @@ def test_fallback_optimizer_cls_and_kwargs(tmp_path):
     assert opt is not None and opt.step_count == 2
     assert opt.memory_report()["by_codec"].keys() == {"int4"}
     assert opt.param_groups[0]["lr"] == 5e-3 and len(opt.param_groups) == 2
+
+
+def test_release_bucket_bytes_reaches_the_optimizer():
+    for text, want in (("0", 0), ("64MiB", 64 * 2**20)):
+        parsed = optstate_hf.parse_optim_args(f"release_gradients=true,release_bucket_bytes={text}")
+        opt = oc.wrap(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, 4))]), "8bit", **parsed.wrap_options())
+        assert opt._engine.gradient_release.bucket_bytes == want
+    with pytest.raises(ValueError, match="release_bucket_bytes='lots'"):
+        optstate_hf.parse_optim_args("release_bucket_bytes=lots")
