@@ -147,11 +147,7 @@ class Engine:
             remember_params(self)
         else:
             buckets, passthrough, on_device, cpu_plans = cached
-            run_cpu_plans(self, cpu_plans)  # first: a bad OPTSTATE_CPU_* setting is refused before any update
-            if passthrough:
-                t = time.perf_counter()
-                self._run_passthrough(passthrough, on_device)
-                self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+            self._run_cpu_and_passthrough(cpu_plans, passthrough, on_device)
         if buckets:
             t = time.perf_counter()
             self.schedule.run(buckets)
@@ -177,11 +173,7 @@ class Engine:
             cpu_plans = [c for c in cpu_plans if id(c) in kept]
         buckets = self.fused.build(fused) if fused else []
         items = [(w.key, w.state, w.info.group_index) for w in passthrough]
-        run_cpu_plans(self, cpu_plans)  # first: a bad OPTSTATE_CPU_* setting is refused before any update
-        if items:
-            t = time.perf_counter()
-            self._run_passthrough(items, on_device)
-            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        self._run_cpu_and_passthrough(cpu_plans, items, on_device)
         if tiled:
             self.tiled.run(tiled, update=True)
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
@@ -242,6 +234,15 @@ class Engine:
             return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
         return buckets, items, on_device, cpu_plans
+
+    def _run_cpu_and_passthrough(self, cpu_plans, items, on_device: bool) -> None:
+        """The CPU fast path's parameters, then the passthrough ones (timed): the CPU path first,
+        so a bad ``OPTSTATE_CPU_*`` setting is refused before any update."""
+        run_cpu_plans(self, cpu_plans)
+        if items:
+            t = time.perf_counter()
+            self._run_passthrough(items, on_device)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
 
     def _run_passthrough(self, items, on_device: bool) -> None:
         """The inner optimizer's own step on uncompressed parameters; NaN/inf skipped on the device
