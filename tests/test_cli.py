@@ -320,3 +320,24 @@ def test_bench_tune_shapes_parse_with_defaults():
     assert tune_shape("2x4") == (2, 4, 1, 0)
     assert tune_shape("1x1x16") == (1, 1, 16, 0)
     assert tune_shape("1x1x16x64") == (1, 1, 16, 64)
+
+
+def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
+    """``+release`` presets update in backward and clip by the previous step's norm; with
+    ``--clip 0`` nothing clips, and fp32 + release is AdamW's run bit for bit (same final loss)."""
+    from optstate_core.apps import convergence, demo
+
+    cfg = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0"]))
+    result = convergence.run_convergence(cfg, ["fp32+release", "8bit+release"], [0, 1], progress=False)
+    losses = {r.run: r.val_losses for r in result.rows}
+    assert losses["optstate-fp32+release"] == losses["adamw"]
+    clipped = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0.01"]))
+    result = convergence.run_convergence(clipped, ["fp32+release"], [0, 1], progress=False)
+    losses_clipped = {r.run: r.val_losses for r in result.rows}
+    assert losses_clipped["optstate-fp32+release"] != losses_clipped["adamw"]  # previous-step rule vs global
+    with pytest.raises(SystemExit):
+        cli.main(["demo", *TINY, "--presets", "8bit+later"])
+    assert "unknown preset '8bit+later'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["demo", *TINY, "--clip", "-1"])
+    assert "--clip must be a number >= 0" in capsys.readouterr().err

@@ -44,8 +44,16 @@ def run_name(preset: Optional[str]) -> str:
     return ADAMW if preset is None else f"optstate-{preset}"
 
 
+def split_release(preset: Optional[str]):
+    """``"bf16w-4bit-lean+release"`` -> ``("bf16w-4bit-lean", True)``; a plain preset -> ``(preset, False)``."""
+    if preset is not None and preset.endswith("+release"):
+        return preset[:-len("+release")], True
+    return preset, False
+
+
 def build_optimizer(model: nn.Module, cfg: DemoConfig, preset: Optional[str]) -> torch.optim.Optimizer:
-    """AdamW (weight decay on matrices only), wrapped with ``preset`` unless it is None."""
+    """AdamW (weight decay on matrices only), wrapped with ``preset`` unless it is None; a
+    ``+release`` preset updates in backward and clips itself (the "previous" rule at ``cfg.clip``)."""
     from ..presets import wrap
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -53,7 +61,9 @@ def build_optimizer(model: nn.Module, cfg: DemoConfig, preset: Optional[str]) ->
     inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     if preset is None:
         return inner
-    return wrap(inner, preset, named_parameters=model.named_parameters())
+    preset, release = split_release(preset)
+    options = dict(release_gradients=True, max_grad_norm=cfg.clip or None) if release else {}
+    return wrap(inner, preset, named_parameters=model.named_parameters(), **options)
 
 
 def lr_lambda(cfg: DemoConfig):
@@ -108,7 +118,8 @@ def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: 
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     from ..presets import has_master_weights
-    if has_master_weights(preset):  # bf16 parameters; the optimizer keeps the fp32 masters
+    base, release = split_release(preset)
+    if has_master_weights(base):  # bf16 parameters; the optimizer keeps the fp32 masters
         from ..state.master_weights import cast_model
         cast_model(model)
     opt = build_optimizer(model, cfg, preset)
@@ -127,7 +138,8 @@ def train_run(preset: Optional[str], cfg: DemoConfig, corpus: Corpus, progress: 
         loss = model.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if cfg.clip and not release:  # released gradients are gone: the optimizer clipped them
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         if cuda:  # so that AdamW's step time does not include the tail of backward
             torch.cuda.synchronize(device)
         t_opt = time.perf_counter()
@@ -199,12 +211,15 @@ def train_all(cfg: DemoConfig, presets: Sequence[str], corpus: Optional[Corpus] 
 
 
 def parse_presets(text: str) -> List[str]:
-    """``"8bit,4bit"`` -> names checked against :data:`optstate_core.PRESETS`."""
+    """``"8bit,4bit"`` -> names checked against :data:`optstate_core.PRESETS` (each may end in
+    ``+release``: gradient release, clipping by the previous step's norm)."""
     from ..presets import PRESET_ALIASES, PRESETS
     names = [t.strip() for t in text.split(",") if t.strip()]
     for n in names:
-        if n not in PRESETS and n not in PRESET_ALIASES:
-            raise ValueError(f"--presets: unknown preset {n!r}; valid: {', '.join(sorted(PRESETS))}")
+        base, _ = split_release(n)
+        if base not in PRESETS and base not in PRESET_ALIASES:
+            raise ValueError(f"--presets: unknown preset {n!r}; valid: {', '.join(sorted(PRESETS))} "
+                             "(each with an optional +release)")
     if len(set(names)) != len(names):
         raise ValueError(f"--presets: a preset is named twice in {text!r}")
     return names
@@ -226,6 +241,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] 
                       "10%% (default: %(default)s)")),
         ("--weight-decay", dict(type=float, default=d.weight_decay,
                                 help="AdamW weight decay on weight matrices (default: %(default)s)")),
+        ("--clip", dict(type=float, default=d.clip, help="gradient-norm clipping: global, or by the previous "
+                        "step's norm for +release presets; 0: off (default: %(default)s)")),
         ("--warmup-steps", dict(type=int, default=d.warmup_steps, help="LR warmup steps (default: %(default)s)")),
         ("--eval-every", dict(type=int, default=d.eval_every,
                               help="held-out loss every N steps and at the end (default: %(default)s)")),

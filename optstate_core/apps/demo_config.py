@@ -18,6 +18,7 @@ class DemoConfig:
     n_heads: int = 4
     lr: float = 3e-3
     weight_decay: float = 0.1
+    clip: float = 1.0  # gradient-norm clipping (global; "previous" for runs with gradient release); 0: off
     warmup_steps: int = 20
     eval_every: int = 25
     eval_batches: int = 8
@@ -40,6 +41,9 @@ class DemoConfig:
             raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ValueError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (
+                self.clip >= 0 and math.isfinite(self.clip)):
+            raise ValueError(f"--clip must be a number >= 0 (0: no clipping), got {self.clip!r}")
         return self
 
 
