@@ -341,3 +341,10 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", *TINY, "--clip", "-1"])
     assert "--clip must be a number >= 0" in capsys.readouterr().err
+    per_tensor = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0.01",
+                                                                      "--clip-mode", "per_tensor"]))
+    assert demo.build_optimizer(demo.TinyLM.from_config(per_tensor), per_tensor,
+                                "8bit+release")._engine.gradient_release.clip_mode == "per_tensor"
+    with pytest.raises(SystemExit):
+        cli.main(["demo", *TINY, "--clip-mode", "global"])
+    assert "--clip-mode must be previous or per_tensor" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def build_optimizer(model: nn.Module, cfg: DemoConfig, preset: Optional[str]) ->
     if preset is None:
         return inner
     preset, release = split_release(preset)
-    options = dict(release_gradients=True, max_grad_norm=cfg.clip or None) if release else {}
+    options = dict(release_gradients=True, max_grad_norm=cfg.clip or None, clip_mode=cfg.clip_mode) if release else {}
     return wrap(inner, preset, named_parameters=model.named_parameters(), **options)
 
 
@@ -241,8 +241,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] 
                       "10%% (default: %(default)s)")),
         ("--weight-decay", dict(type=float, default=d.weight_decay,
                                 help="AdamW weight decay on weight matrices (default: %(default)s)")),
-        ("--clip", dict(type=float, default=d.clip, help="gradient-norm clipping: global, or by the previous "
-                        "step's norm for +release presets; 0: off (default: %(default)s)")),
+        ("--clip", dict(type=float, default=d.clip, help="gradient-norm clipping: global, or by --clip-mode "
+                        "for +release presets; 0: off (default: %(default)s)")),
+        ("--clip-mode", dict(default=d.clip_mode, help="how +release presets clip: previous (the previous "
+                             "step's global norm) or per_tensor (default: %(default)s)")),
         ("--warmup-steps", dict(type=int, default=d.warmup_steps, help="LR warmup steps (default: %(default)s)")),
         ("--eval-every", dict(type=int, default=d.eval_every,
                               help="held-out loss every N steps and at the end (default: %(default)s)")),

@@ -18,7 +18,8 @@ class DemoConfig:
     n_heads: int = 4
     lr: float = 3e-3
     weight_decay: float = 0.1
-    clip: float = 1.0  # gradient-norm clipping (global; "previous" for runs with gradient release); 0: off
+    clip: float = 1.0  # gradient-norm clipping (global; ``clip_mode`` for runs with gradient release); 0: off
+    clip_mode: str = "previous"  # how +release runs clip: "previous" or "per_tensor"
     warmup_steps: int = 20
     eval_every: int = 25
     eval_batches: int = 8
@@ -44,6 +45,8 @@ class DemoConfig:
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (
                 self.clip >= 0 and math.isfinite(self.clip)):
             raise ValueError(f"--clip must be a number >= 0 (0: no clipping), got {self.clip!r}")
+        if self.clip_mode not in ("previous", "per_tensor"):
+            raise ValueError(f"--clip-mode must be previous or per_tensor, got {self.clip_mode!r}")
         return self
 
 
