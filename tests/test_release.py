@@ -99,14 +99,19 @@ def test_release_checkpoint_resume_and_nan_skip(max_grad_norm):
     for m, o in ((model, opt), (model2, opt2)):
         _run(m, o, _batches(2, seed=5), release=True)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
-    # a NaN gradient: that parameter is skipped, the others are updated, the step still counts
+    # a NaN gradient: without clipping that parameter is skipped and the others are updated; with
+    # clipping by the exact global norm (one batch holds the step) it makes the norm NaN and every
+    # parameter is skipped, as global clipping without release does; the step counts either way
     first = model[0].weight
     before = [p.detach().clone() for p in model.parameters()]
+    norm_before = opt.last_grad_norm.clone()
     first.register_hook(lambda g: torch.full_like(g, float("nan")))
     _run(model, opt, _batches(1, seed=7), release=True)
     after = list(model.parameters())
-    assert torch.equal(before[0], after[0]) and not torch.equal(before[2], after[2])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2]) == (max_grad_norm is not None)
     assert opt.memory_report()["nonfinite_skipped"] >= 1
+    assert torch.isfinite(opt.last_grad_norm) and (max_grad_norm is None or torch.equal(opt.last_grad_norm,
+                                                                                          norm_before))
 
 
 def test_a_bad_clip_state_in_a_checkpoint_changes_nothing():
@@ -154,17 +159,45 @@ def test_clip_modes_match_their_definitions():
     def global_(grads, previous):
         torch.nn.utils.clip_grad_norm_(grads and [p for p in ref.parameters()], max_norm)
 
-    for mode, rule, release in (("per_tensor", per_tensor, True), ("previous", previous_global, True),
-                                ("global", global_, False), ("per_tensor", per_tensor, False)):
+    # "previous" with one update per hook is the previous step's norm; with the default batch, which
+    # holds this small model's every gradient at the end of backward, the exact global norm
+    for mode, rule, release, bucket in (("per_tensor", per_tensor, True, None),
+                                        ("previous", previous_global, True, 0), ("previous", global_, True, None),
+                                        ("global", global_, False, None), ("per_tensor", per_tensor, False, None)):
         ref = _model()
         _clip_reference(ref, torch.optim.AdamW, batches, rule)
         model = _model()
+        options = {} if bucket is None else {"release_bucket_bytes": bucket}
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "fp32", release_gradients=release,
-                      max_grad_norm=max_norm, clip_mode=mode)
+                      max_grad_norm=max_norm, clip_mode=mode, **options)
         _run(model, opt, batches, release=release)
         for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{mode}, release={release}")
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{mode}, release={release}, bucket={bucket}")
         assert opt.last_grad_norm is not None and opt.last_grad_norm > max_norm
+
+
+@pytest.mark.parametrize("preset", ["fp32", "8bit", "bf16w-4bit-lean"])
+def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_step(preset):
+    """Clipping is active every step; the default batch holds every gradient of this model at the
+    end of backward, so release clips by the exact global norm: bit for bit the run without
+    release that clips with torch's clip_grad_norm_ after backward (and the same norm)."""
+    batches = [b * 30 for b in _batches(4)]
+    runs = []
+    for release in (False, True):
+        model = _model()
+        dtype = torch.float32
+        if preset.startswith("bf16w"):
+            cast_model(model)
+            dtype = torch.bfloat16
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, release_gradients=release,
+                      max_grad_norm=0.05)
+        _run(model, opt, [b.to(dtype) for b in batches], release=release)
+        runs.append((model, opt))
+    (m0, o0), (m1, o1) = runs
+    assert o0._engine.gradient_release.clip_mode == "global" and o1._engine.gradient_release.clip_mode == "previous"
+    assert torch.equal(o0.last_grad_norm, o1.last_grad_norm) and float(o1.last_grad_norm) > 0.05
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_release_and_clip_options_are_validated():

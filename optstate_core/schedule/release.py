@@ -1,18 +1,22 @@
-"""Gradient release and gradient-norm clipping: update each parameter in backward, free its gradient.
+"""Gradient release and gradient-norm clipping: update parameters in backward, free their gradients.
 
 With ``release_gradients=True``, on the micro-batch that ends an accumulation window (the step
 boundary, :class:`~optstate_core.schedule.timetable.StepBoundary`) the step schedule's backward hook
-(phase 1) hands each parameter here as soon as its gradient is final: it is clipped, checked
-for NaN/inf, updated through the engine's usual paths, and its gradient is freed at once, so
-the model's gradients never all exist together. ``step()`` then only advances the step count
-(and updates any parameter whose gradient was not released); ``zero_grad()`` has nothing left.
+(phase 1) hands each parameter here as soon as its gradient is final. Released parameters wait in
+a batch until ``release_bucket_bytes`` of gradients are pending or backward ends; then the batch is
+clipped, updated through the engine's router (the paths ``step()`` would take) and its gradients
+are freed, so at most a batch of gradients exists at a time. ``step()`` then only advances the
+step count (and updates any parameter whose gradient was not released); ``zero_grad()`` has
+nothing left.
 
 Clipping (``max_grad_norm``) cannot see the global norm before the first update when gradients
 are released, so ``clip_mode`` chooses:
 
 * ``"global"`` (only without release): torch's ``clip_grad_norm_`` over every gradient in
   ``step()``, exactly as a training loop would;
-* ``"previous"`` (release default): every gradient of step t is scaled by
+* ``"previous"`` (release default): when one batch holds every gradient of the step (they fit in
+  ``release_bucket_bytes``), they are clipped by their exact global norm at the end of backward,
+  exactly as global clipping would; otherwise every gradient of step t is scaled by
   ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}`` is the previous step's
   global norm (computed during its release pass, pre-clip); the first step clips per tensor.
   Same direction as global clipping, one step late: a sudden spike passes unclipped once;
@@ -89,6 +93,8 @@ class GradientRelease:
         self._buckets: Dict[tuple, tuple] = {}  # ids of a batch's params -> (its buckets, their keys)
         self._pending = []  # (param, ParamInfo) released, waiting for their batch's update
         self._pending_bytes = 0
+        self._partial = False  # a batch of this step was updated before backward ended
+        self._exact_norm: Optional[torch.Tensor] = None  # this step's global norm, when one batch held it all
         self.released = 0  # parameters updated in backward this step
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
 
@@ -111,17 +117,28 @@ class GradientRelease:
         self._pending_bytes += grad.numel() * grad.element_size()
         self.released += 1
         if self._pending_bytes >= self.bucket_bytes:
-            self.flush()
+            self.flush(final=False)
 
-    def flush(self) -> None:
+    def flush(self, final: bool = True) -> None:
         """Clip, update and free the pending released gradients: one launch per kind of state for
-        the whole batch (the same paths step() would take), then every gradient is dropped."""
+        the whole batch (the same paths step() would take), then every gradient is dropped.
+        ``final``: backward has ended. If no batch went before in this step, the batch holds every
+        gradient of the step, and ``"previous"`` clipping uses their exact global norm, as
+        ``clip_grad_norm_`` after backward would (release then equals no release bit for bit)."""
         if not self._pending:
             return
         items, self._pending, self._pending_bytes = self._pending, [], 0
+        whole = final and not self._partial and self.max_grad_norm is not None and self.clip_mode == "previous" \
+            and self.group is None
+        self._partial = self._partial or not final
         with torch.no_grad():
-            for p, _ in items:
-                self._clip_one(p.grad)
+            if whole:  # in the parameters' order, as a clipping call over model.parameters() sums them
+                items.sort(key=lambda item: item[1].index)
+                self._exact_norm = torch.nn.utils.clip_grad_norm_([p for p, _ in items], self.max_grad_norm,
+                                                                  foreach=None)
+            else:
+                for p, _ in items:
+                    self._clip_one(p.grad)
             self.step_params(items)
         for p, _ in items:
             p.grad = None
@@ -194,7 +211,7 @@ class GradientRelease:
     def __getstate__(self):
         """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
-        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0)
+        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None)
         return state
 
     # -- clipping ----------------------------------------------------------------------------------
@@ -214,6 +231,11 @@ class GradientRelease:
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         """The 2-norm over this step's gradients so far; non-finite ones (skipped) do not count."""
+        if self._exact_norm is not None:
+            if not self._norms:
+                return self._exact_norm
+            self._norms.append(self._exact_norm)  # and gradients step() clipped after it: one sum
+            self._exact_norm = None
         if not self._norms:
             return None
         device = self._norms[0].device
@@ -250,7 +272,7 @@ class GradientRelease:
     def load_clip_state(self, state: dict) -> None:
         """Restore :meth:`clip_state` (validated by the caller): the last norm, and the clip factor
         of the "previous" rule computed from it as ``after_step`` computes it."""
-        self._norms, self._scaled, self._scale = [], None, None
+        self._norms, self._scaled, self._scale, self._exact_norm, self._partial = [], None, None, None, False
         norm = state.get("last_grad_norm")
         if norm is None:
             self.last_grad_norm = None
@@ -264,11 +286,14 @@ class GradientRelease:
         """End of ``step()``: the step's global norm, and the next step's clip factor."""
         norm = self._global_norm()
         if norm is not None:
-            self.last_grad_norm = norm
+            # a non-finite exact norm (a NaN gradient, which skipped the step as global clipping
+            # does) leaves the last finite one: no host synchronisation to ask
+            keep = self.last_grad_norm if self.last_grad_norm is not None else norm.new_zeros(())
+            self.last_grad_norm = torch.where(torch.isfinite(norm), norm, keep.to(norm.device))
             if self.max_grad_norm is not None and self.clip_mode == "previous":
                 self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
                 self._scaled = None
-        self._norms = []
+        self._norms, self._exact_norm, self._partial = [], None, False
         self.released = 0
 
 
