@@ -14,6 +14,15 @@ def _model(seed=0):
                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
 
 
+def _model_for(preset):
+    """``_model()`` and its input dtype: bf16 weights (masters as state) for the ``bf16w-*`` presets."""
+    model = _model()
+    if preset.startswith("bf16w"):
+        cast_model(model)
+        return model, torch.bfloat16
+    return model, torch.float32
+
+
 def _batches(n, seed=1, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(8, 32, generator=g).to(dtype) for _ in range(n)]
@@ -61,11 +70,7 @@ def test_release_matches_step_and_frees_gradients(preset, accumulate, bucket):
     batches = _batches(6)
     results = []
     for release in (False, True):
-        model = _model()
-        dtype = torch.float32
-        if preset.startswith("bf16w"):
-            cast_model(model)
-            dtype = torch.bfloat16
+        model, dtype = _model_for(preset)
         options = {} if bucket is None or not release else {"release_bucket_bytes": bucket}
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, release_gradients=release, **options)
         peak = _run(model, opt, [b.to(dtype) for b in batches], accumulate=accumulate, release=release)
@@ -184,11 +189,7 @@ def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_s
     batches = [b * 30 for b in _batches(4)]
     runs = []
     for release in (False, True):
-        model = _model()
-        dtype = torch.float32
-        if preset.startswith("bf16w"):
-            cast_model(model)
-            dtype = torch.bfloat16
+        model, dtype = _model_for(preset)
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, release_gradients=release,
                       max_grad_norm=0.05)
         _run(model, opt, [b.to(dtype) for b in batches], release=release)

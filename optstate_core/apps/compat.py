@@ -119,8 +119,7 @@ def compat_rows(optimizers: Sequence[str], presets: Sequence[str], seeds: int, s
             else:
                 if base is None:
                     row.reason = f"the unwrapped optimizer fails on this task ({unwrapped_error})"
-                    runs = []
-                if runs:
+                else:
                     row.gaps = [100 * (r.loss / b - 1) for r, b in zip(runs, base)]
                     row.bits_per_param = runs[0].bits_per_param
                     row.loss = statistics.fmean(r.loss for r in runs)

@@ -23,15 +23,7 @@ class Conformer:
         engine = self.engine
         if all(map(is_scalar_state, w.state.values())):  # first step: tiles unless the state will be plain device tensors
             return engine.policy.may_compress(w.info, engine.step_count) or engine.tier_of(w, "") == "host"
-        tensors = {k: v for k, v in w.state.items() if not is_scalar_state(v) and not keeps_own_shape(v, w.key)}
-        for key, value in tensors.items():
-            if isinstance(value, EncodedTensor):
-                return True
-            codec = engine.codec_of(w, key)
-            host = engine.tier_of(w, key) == "host"
-            if not matches(value, codec, host, w.param.device):
-                return True
-        return False
+        return any(isinstance(v, EncodedTensor) for v in w.state.values()) or self.differs(w)
 
     def differs(self, w: Work) -> bool:
         """Whether any state of the parameter is not in the form (codec and tier) the policy wants

@@ -76,7 +76,7 @@ def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
 
 
 class GradientRelease:
-    """Per-parameter updates from the backward hook, and clipping for both modes of stepping."""
+    """Batched updates of released parameters from the backward hooks, and clipping for both modes of stepping."""
 
     def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -154,8 +154,8 @@ class GradientRelease:
         """Update these ``(param, ParamInfo)`` now on the paths the engine's router picks, the same
         as in ``step()`` (no step count advance: ``step()`` does that once). The fused kernels skip
         NaN/inf blocks on the device, as in ``step()``, with no host synchronisation; only the other
-        paths check on the host. A fused parameter's one-parameter bucket is kept for its next
-        release while nothing it depends on changes (:meth:`_cached_bucket`)."""
+        paths check on the host. A batch's fused buckets are kept for its next release while
+        nothing they depend on changes (:meth:`_cached_buckets`)."""
         engine = self.engine
         batch = tuple(id(p) for p, _ in items)
         cached = self._cached_buckets(batch, items)
@@ -180,7 +180,7 @@ class GradientRelease:
             engine.tiled.run(routes.tiled, update=True)
         engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
 
-    # -- the per-parameter bucket cache --------------------------------------------------------------
+    # -- the per-batch bucket cache ----------------------------------------------------------------
     def _bucket_key(self, p):
         """What a kept bucket depends on besides its state objects' identity (as the engine's
         own plan cache: dtype, device, gradient form, group options, the policy's decisions)."""
@@ -279,8 +279,13 @@ class GradientRelease:
             return
         device = next((p.device for g in self.engine.inner.param_groups for p in g["params"]), torch.device("cpu"))
         self.last_grad_norm = torch.tensor(norm, dtype=torch.float32, device=device)
+        self._set_scale()
+
+    def _set_scale(self) -> None:
+        """The "previous" rule's clip factor for the next step, from ``last_grad_norm``."""
         if self.max_grad_norm is not None and self.clip_mode == "previous":
             self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
+            self._scaled = None
 
     def after_step(self) -> None:
         """End of ``step()``: the step's global norm, and the next step's clip factor."""
@@ -290,9 +295,7 @@ class GradientRelease:
             # does) leaves the last finite one: no host synchronisation to ask
             keep = self.last_grad_norm if self.last_grad_norm is not None else norm.new_zeros(())
             self.last_grad_norm = torch.where(torch.isfinite(norm), norm, keep.to(norm.device))
-            if self.max_grad_norm is not None and self.clip_mode == "previous":
-                self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
-                self._scaled = None
+            self._set_scale()
         self._norms, self._exact_norm, self._partial = [], None, False
         self.released = 0
 

@@ -29,7 +29,6 @@ class TiledStep:
 
     def __init__(self, engine):
         self.engine = engine
-        self.updating = True  # run(update=False) re-stores state in its wanted form only
 
     def tiles_of(self, w: Work, max_elems: int) -> List[Tile]:
         engine = self.engine
@@ -82,7 +81,6 @@ class TiledStep:
 
     def run(self, works: List[Work], update: bool) -> None:
         engine = self.engine
-        self.updating = update
         self.engine.conformer.preallocate(works)
         for chunk in self.chunks(works):
             t0 = time.perf_counter()
@@ -100,7 +98,7 @@ class TiledStep:
             materialized = sum(_materialized_bytes(tile) for tile in chunk)
             engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, materialized)
             for tile in chunk:
-                self._commit(tile)
+                self._commit(tile, update)
             t3 = time.perf_counter()
             engine.metrics.materialize_ms += (t1 - t0) * 1e3
             engine.metrics.inner_step_ms += (t2 - t1) * 1e3
@@ -143,7 +141,7 @@ class TiledStep:
             enc.codec.decode_into(engine.transfers.fetch(payload, device), out.view(tile.slab_shape))
         return out
 
-    def _commit(self, tile: Tile) -> None:
+    def _commit(self, tile: Tile, update: bool) -> None:
         engine = self.engine
         w = tile.work
         step = engine.step_count
@@ -161,7 +159,7 @@ class TiledStep:
             dest = w.dest.get(key)
             if dest is None:
                 dest = w.dest[key] = self.engine.conformer.destination(w, key, value)
-            if not self.updating and dest is w.state.get(key):
+            if not update and dest is w.state.get(key):
                 continue  # re-storing only: a state already in its form keeps its words
             if isinstance(dest, torch.Tensor):
                 dest = local(dest)
