@@ -52,11 +52,18 @@ PRESETS = {
 # 2+1+1+2 (weights + correction + moments + gradient; 2 fewer with gradient release).
 # "-hostcorr": the lean correction in pinned host memory (weights and moments stay on the GPU): 2+2+2
 # and 2+1+2 on the device, 0 for the correction; it crosses PCIe once each way per step (1 B/param).
+# "-offload": moments and correction in pinned host memory, streamed through the staging ring every
+# step (2.1 B/param each way for 4-bit); the device keeps the bf16 weights (2 B/param, plus the
+# gradients: a batch of them with release_gradients=True). The smallest GPU footprint; for models
+# that fit nothing else (docs/offload.md). "bf16w-4bit-lean" with gpu_budget=... keeps state resident up to
+# the budget and streams the rest the same way.
 for _moments in ("8bit", "4bit"):
     PRESETS[f"bf16w-{_moments}"] = dict(PRESETS[_moments], master_correction="corr16")
     PRESETS[f"bf16w-{_moments}-lean"] = dict(PRESETS[_moments], master_correction="corr8")
     PRESETS[f"bf16w-{_moments}-lean-hostcorr"] = dict(PRESETS[_moments], master_correction="corr8",
                                                       master_tier="host")
+    PRESETS[f"bf16w-{_moments}-lean-offload"] = dict(PRESETS[_moments], master_correction="corr8",
+                                                     device_resident=False)
 PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 

@@ -112,8 +112,10 @@ def test_contender_names():
     assert contenders.hint_bytes_per_param(c) == 5.0
     assert contenders.hint_bytes_per_param(contenders.parse("flashoptim")) == 7.0
     assert contenders.unavailable(c) == contenders.unavailable(contenders.parse("flashoptim"))
+    c = contenders.parse("bf16w-4bit-lean+budget3GiB")
+    assert c.gpu_budget == 3 * 2**30 and c.release and c.preset == "bf16w-4bit-lean"
     for bad, match in (("adamw+offload", "suffixes"), ("bnb8+release", "suffixes"), ("8bit+fast", "suffix"),
-                       ("sgd", "preset")):
+                       ("sgd", "preset"), ("adamw+budget1GB", "optstate presets only"), ("8bit+budgetx", "budget")):
         with pytest.raises(ValueError, match=match):
             contenders.parse(bad)
 
@@ -121,7 +123,7 @@ def test_contender_names():
 def _args(**kw):
     base = dict(optimizers=None, widths="64,128", max_layers=4, vocab=256, batch=1, seq=8, checkpointing=True,
                 device="cpu", steps=1, max_trials=6, resolution=0.0, time_budget=600.0, trial_timeout=60.0,
-                gpu_memory_bytes=None, json=None, models="tiny")
+                gpu_memory_bytes=None, json=None, models="tiny", memory_cap=None, accumulate=1)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -161,9 +163,17 @@ def test_peak_bytes_rows_subtract_the_activation_baseline(capsys):
             return {"status": "oom", "params": n, "error": "CUDA out of memory"}
         return {"status": "ok", "params": n, "weight_bytes": wb, "peak_step_bytes": peak[spec.optimizer],
                 "held_bytes": 4 * n, "step_s": 2.0, "tokens_per_s": 1024.0}
-    args = _args(optimizers="adamw,bf16w-4bit-lean", models="tiny,8b", batch=1, seq=2048)
-    assert peakbytes.run_peak_bytes(args, runner) == 0
+    seen = []
+
+    def recording(spec, timeout):
+        seen.append((spec.memory_cap, spec.accumulate))
+        return runner(spec, timeout)
+    args = _args(optimizers="adamw,bf16w-4bit-lean", models="tiny,8b", batch=1, seq=2048, memory_cap="24GB",
+                 accumulate=2)
+    assert peakbytes.run_peak_bytes(args, recording) == 0
+    assert set(seen) == {(24 * 10**9, 2)}
     printed = capsys.readouterr().out
+    assert "2 micro-batch(es) per step" in printed and "capped at 24GB" in printed
     assert "| tiny (0.00B) | bf16w-4bit-lean | ok |" in printed and "| 8b (8.03B) | adamw | OOM |" in printed
     assert "| 4.00 | 4.00 | 2.000 | 1024 |" in printed  # (4n + 700 - 700) / n at the peak, 4n held
     with pytest.raises(ValueError, match="--models"):
@@ -188,12 +198,16 @@ def test_trial_killed_by_sigkill_counts_as_out_of_memory(monkeypatch):
 
 
 def test_real_tiny_trials_on_cpu(tmp_path, capsys):
-    spec = TrialSpec(NAMED_SHAPES["tiny"].to_dict(), "bf16w-4bit-lean", 2, 16, True, "cpu", 2, 1)
+    # state resident up to a budget, the rest streamed (+budget), two micro-batches a step, release on the last
+    spec = TrialSpec(NAMED_SHAPES["tiny"].to_dict(), "bf16w-4bit-lean+budget64KB", 2, 16, True, "cpu", 2, 1,
+                     accumulate=2)
     r = run_in_subprocess(spec, timeout=300)
     assert r["status"] == "ok", r
     assert r["params"] == NAMED_SHAPES["tiny"].params and math.isfinite(r["loss"]) and r["step_s"] > 0
     assert r["weight_bytes"] == 2 * r["params"]  # bf16 weights
-    assert r["optimizer_device_bytes"] > 0  # optstate's memory_report: correction + moments
+    assert r["tokens_per_s"] == pytest.approx(2 * 2 * 16 / r["step_s"])
+    # optstate's memory_report: correction + moments, on the device up to the budget, the rest on the host
+    assert 0 < r["optimizer_device_bytes"] <= 64 * 1024 and r["optimizer_host_bytes"] > 0
     # the peak-bytes mode end to end through the command line: baseline + AdamW, one subprocess each
     out = tmp_path / "pb.json"
     assert cli.main(["bench", "--peak-bytes", "--device", "cpu", "--models", "tiny", "--optimizers", "adamw",

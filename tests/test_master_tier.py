@@ -177,3 +177,23 @@ def test_host_correction_uploads_during_backward_with_prefetch():
     assert report["bytes_by_phase"]["backward"] == sum(p.numel() for p in ps)  # corr8: 1 B per element
     assert report["used_bytes_last_step"] == sum(-(-p.numel() // 16) * 16 for p in ps)  # each padded to 16 B
     assert report["bytes_by_phase"]["step"] == 0  # nothing left to upload in step(); the moments never move
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["step", "release"])
+def test_offload_preset_and_a_budget_under_release_are_bit_identical_to_resident(release):
+    """``bf16w-4bit-lean-offload`` keeps moments and correction on the host, and a ``gpu_budget``
+    keeps part of the state resident (gradient release assigns residency over every parameter
+    before its first update): both train exactly as the all-resident preset."""
+    ps0, _ = train("bf16w-4bit-lean")
+    ps1, off = train("bf16w-4bit-lean-offload", release=release)
+    n = sum(p.numel() for p in ps1)
+    for p, q in zip(ps0, ps1):
+        assert torch.equal(p, q)
+        assert all(off.state[q][k].host_tier for k in ("exp_avg", "exp_avg_sq", MASTER_KEY))
+    assert off.memory_report()["device_bytes"] == 0 and off.memory_report()["host_bytes"] > n
+    budget = 24 * 256 * 2  # the first matrix's 4-bit moments and correction, not the rest
+    ps2, part = train("bf16w-4bit-lean", release=release, gpu_budget=budget + 16384)
+    assert all(torch.equal(p, q) for p, q in zip(ps0, ps2))
+    tiers = [part.state[q][MASTER_KEY].host_tier for q in ps2]
+    assert tiers[0] is False and tiers[2] is True, tiers
+    assert 0 < part.memory_report()["device_bytes"] <= budget + 16384

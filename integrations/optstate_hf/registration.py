@@ -36,6 +36,8 @@ OPTIM_NAMES: Dict[str, str] = {
     "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
     "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
     "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
+    "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
+    "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload",
 }
 HOOK = "get_optimizer_cls_and_kwargs"
 _FALLBACK = ("Pass the optimizer instead: Trainer(..., optimizer_cls_and_kwargs="

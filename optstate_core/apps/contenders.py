@@ -5,7 +5,8 @@ Names: ``adamw`` (torch AdamW fused, fp32 weights), ``bnb8`` (bitsandbytes AdamW
 ``ao_offload`` (torchao CPUOffloadOptimizer over fused AdamW, gradients offloaded too),
 ``flashoptim`` (FlashAdamW on bf16 weights; ``flashoptim+release`` with its gradient release),
 ``none`` / ``none-bf16`` (forward+backward only, each gradient freed in its hook: the activation
-baseline), or an optstate preset with optional suffixes ``+offload`` and ``+release``;
+baseline), or an optstate preset with optional suffixes ``+offload``, ``+release`` and
+``+budget<bytes>`` (``gpu_budget``, e.g. ``+budget3GiB``);
 ``bf16w-*`` presets get bf16 weights and gradient release unless ``+norelease`` is given.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from ..state.units import parse_bytes
 
 THIRD_PARTY = {"adamw", "bnb8", "ao_offload", "flashoptim", "none", "none-bf16"}
 LR = 1e-4
@@ -27,6 +30,7 @@ class Contender:
     preset: Optional[str] = None  # optstate preset, or None
     offload: bool = False
     release: bool = False
+    gpu_budget: Optional[int] = None  # ``+budget<bytes>``: optimizer state kept on the GPU at most
 
     @property
     def autocast(self) -> bool:
@@ -48,11 +52,17 @@ def parse(name: str) -> Contender:
     from ..presets import PRESET_ALIASES, PRESETS, has_master_weights
 
     base, *suffixes = name.strip().split("+")
+    budget = None
+    for suffix in [x for x in suffixes if x.startswith("budget")]:
+        budget = parse_bytes(suffix[len("budget"):], f"optimizer {name!r}: +budget")
+        suffixes.remove(suffix)
     unknown = set(suffixes) - {"offload", "release", "norelease"}
     if unknown:
         raise ValueError(f"optimizer {name!r}: unknown suffix {sorted(unknown)} (valid: +offload, +release, "
-                         "+norelease)")
+                         "+norelease, +budget<bytes>)")
     if base in THIRD_PARTY:
+        if budget is not None:
+            raise ValueError(f"optimizer {name!r}: +budget applies to optstate presets only")
         if suffixes and not (base == "flashoptim" and suffixes == ["release"]):
             raise ValueError(f"optimizer {name!r}: suffixes apply to optstate presets (and flashoptim+release) only")
         weights = torch.bfloat16 if base in ("flashoptim", "none-bf16") else torch.float32
@@ -63,7 +73,8 @@ def parse(name: str) -> Contender:
                          f"preset ({', '.join(sorted(PRESETS))})")
     master = has_master_weights(preset)
     release = "release" in suffixes or (master and "norelease" not in suffixes)
-    return Contender(name, torch.bfloat16 if master else torch.float32, preset, "offload" in suffixes, release)
+    return Contender(name, torch.bfloat16 if master else torch.float32, preset, "offload" in suffixes, release,
+                     budget)
 
 
 def unavailable(c: Contender) -> Optional[str]:
@@ -100,7 +111,7 @@ def build(c: Contender, params, model=None, max_grad_norm=None) -> Optional[torc
         return opt
     from ..presets import make_policy, wrap
     return wrap(torch.optim.AdamW(params, lr=LR, fused=fused), make_policy(c.preset), offload=c.offload,
-                release_gradients=c.release, max_grad_norm=max_grad_norm)
+                release_gradients=c.release, max_grad_norm=max_grad_norm, gpu_budget=c.gpu_budget)
 
 
 def free_gradients_in_hooks(params) -> Callable[[], None]:

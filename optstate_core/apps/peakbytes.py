@@ -43,6 +43,10 @@ def run_peak_bytes(args, runner=run_in_subprocess) -> int:
     for m in models:
         if m not in NAMED_SHAPES:
             raise ValueError(f"--models: unknown model {m!r} (valid: {', '.join(NAMED_SHAPES)})")
+    from ..state.units import parse_bytes
+    cap = None if args.memory_cap is None else parse_bytes(args.memory_cap, "--memory-cap")
+    if args.accumulate < 1:
+        raise ValueError(f"--accumulate must be at least 1, got {args.accumulate}")
     names = [n.strip() for n in (args.optimizers or DEFAULT_OPTIMIZERS).split(",") if n.strip()]
     for n in names:
         contenders.parse(n)
@@ -58,7 +62,7 @@ def run_peak_bytes(args, runner=run_in_subprocess) -> int:
             else:
                 log.info("peak-bytes: %s, %s", m, name)
                 spec = TrialSpec(shape.to_dict(), name, args.batch, args.seq, args.checkpointing,
-                                 args.device or "cuda", args.steps, 1)
+                                 args.device or "cuda", args.steps, 1, memory_cap=cap, accumulate=args.accumulate)
                 r = runner(spec, args.trial_timeout)
                 log.info("peak-bytes:   -> %s %s", r["status"], r.get("error", ""))
             if name.startswith("none"):
@@ -70,7 +74,8 @@ def run_peak_bytes(args, runner=run_in_subprocess) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "batch": args.batch, "seq": args.seq,
-                       "checkpointing": args.checkpointing, "rows": rows}, f, indent=1)
+                       "checkpointing": args.checkpointing, "memory_cap": args.memory_cap,
+                       "accumulate": args.accumulate, "rows": rows}, f, indent=1)
     return 0
 
 
@@ -103,8 +108,10 @@ def table_row(r: dict) -> str:
 
 
 def print_table(rows, args) -> None:
-    print(f"\ntraining-step memory: batch {args.batch}x{args.seq}, activation checkpointing "
-          f"{'on' if args.checkpointing else 'off'}, random init from config; torch {torch.__version__}")
+    cap = "" if args.memory_cap is None else f", GPU memory capped at {args.memory_cap}"
+    print(f"\ntraining-step memory: batch {args.batch}x{args.seq}, {args.accumulate} micro-batch(es) per step, "
+          f"activation checkpointing {'on' if args.checkpointing else 'off'}, random init from config{cap}; "
+          f"torch {torch.__version__}")
     print("| model | optimizer | status | peak GPU GiB | activations GiB | B/param at peak | held B/param "
           "| step s | tokens/s | host B/param |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -120,3 +127,8 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("--peak-bytes (bytes per parameter at the step's peak)")
     g.add_argument("--peak-bytes", action="store_true", help="measure peak memory per optimizer and model")
     g.add_argument("--models", default="0.95b,8b", help=f"of {', '.join(NAMED_SHAPES)} (default: %(default)s)")
+    g.add_argument("--memory-cap", default=None,
+                   help="GPU memory each trial may allocate, e.g. 24GB: torch.cuda.set_per_process_memory_fraction "
+                        "on a larger card (default: the whole card)")
+    g.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation; release on the last)")

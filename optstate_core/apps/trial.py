@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -37,6 +38,8 @@ class TrialSpec:
     device: str = "cuda"
     steps: int = 3
     warmup: int = 1
+    memory_cap: Optional[int] = None  # bytes the process may allocate on the GPU (set_per_process_memory_fraction)
+    accumulate: int = 1  # micro-batches of ``batch`` x ``seq`` per optimizer step
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -59,7 +62,10 @@ def run_trial(spec: TrialSpec) -> dict:
     cuda = device.type == "cuda"
     torch.manual_seed(0)  # the same tokens for every optimizer
     if cuda:
-        out["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        out["gpu_total_bytes"] = total = torch.cuda.get_device_properties(device).total_memory
+        if spec.memory_cap is not None:  # allocations past the cap raise OOM, as on a smaller card
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.memory_cap / total), index)
     try:
         t0 = time.perf_counter()
         model = build_model(shape, device, contender.weights, spec.checkpointing)
@@ -77,9 +83,12 @@ def run_trial(spec: TrialSpec) -> dict:
                     out["peak_first_bytes"] = torch.cuda.max_memory_allocated(device)
                     torch.cuda.reset_peak_memory_stats(device)
             t = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=contender.autocast):
-                loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
+            for k in range(spec.accumulate):
+                if hasattr(opt, "set_step_boundary"):  # release on the window's last micro-batch only
+                    opt.set_step_boundary(k == spec.accumulate - 1)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=contender.autocast):
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -89,7 +98,7 @@ def run_trial(spec: TrialSpec) -> dict:
                 times.append(time.perf_counter() - t)
         out["loss"] = float(loss.detach())
         out["step_s"] = statistics.median(times)
-        out["tokens_per_s"] = spec.batch * spec.seq / out["step_s"]
+        out["tokens_per_s"] = spec.accumulate * spec.batch * spec.seq / out["step_s"]
         if cuda:
             out["peak_step_bytes"] = torch.cuda.max_memory_allocated(device)
             out["peak_bytes"] = max(out["peak_step_bytes"], out["peak_first_bytes"])

@@ -275,10 +275,17 @@ class Engine:
         self.sync_transfers()
         self.placement.force_tier = None
         self.placement.resident = None
-        if self.placement.gpu_budget is not None:
-            works = [Work(p, info, self.state[p]) for p, info in self.param_infos() if p in self.state]
-            self.placement.assign_residency(works, self.step_count)
+        self.assign_residency()
         self.conformer.conform()
+
+    def assign_residency(self, *, only_new: bool = False) -> None:
+        """Under a GPU budget: which parameters' state stays resident, over every parameter in
+        index order (``only_new``: unless assigned already). Gradient release asks before its
+        first update, since its batches see a few parameters at a time."""
+        if self.placement.gpu_budget is None or (only_new and self.placement.resident is not None):
+            return
+        works = [Work(p, info, self.state.get(p, {})) for p, info in self.param_infos()]
+        self.placement.assign_residency(works, self.step_count)
 
     def close(self) -> None:
         """Release staging memory, streams and all state (pinned buffers included)."""

@@ -7,6 +7,7 @@ import torch
 
 from ..state.codecs import FP32Codec
 from ..state.dtensor import is_dtensor, slab_placements
+from ..state.master_weights import MASTER_KEY
 from ..policy import Policy
 from ..state.store import is_scalar_state, keeps_own_shape
 from ..step.work import Work
@@ -61,19 +62,24 @@ class Placement:
     def assign_residency(self, works: List[Work], step: int) -> None:
         """Under a GPU budget: keep state resident in step order while it fits beside the staging
         ring; the rest streams from host memory every step."""
-        if self.gpu_budget is None or not works:
+        if self.gpu_budget is None:
             self.resident = None
+            return
+        if not works:  # a step with no gradients (all released in backward): the assignment stands
             return
         device = works[0].param.device
         room = self.budget_bytes(device) - self.staging_size(device)
         resident = set()
         for w in works:
-            keys = [k for k, v in w.state.items() if not is_scalar_state(v) and not keeps_own_shape(v, w.key)] \
-                or ["exp_avg", "exp_avg_sq"]
+            keys = [k for k, v in w.state.items() if not is_scalar_state(v) and not keeps_own_shape(v, w.key)
+                    and k != MASTER_KEY] or ["exp_avg", "exp_avg_sq"]
             need = 0
             for key in keys:
                 codec = self.codec_of(w, key, step)
                 need += codec.nbytes(w.rows, w.cols, w.param.dtype if not codec.lossless else torch.float32)
+            master = self.policy.master_codec(w.info)  # the master-weight correction follows its parameter
+            if master is not None:
+                need += master.nbytes(w.rows, w.cols, torch.float32)
             if need <= room:
                 resident.add(id(w.key))
                 room -= need

@@ -20,7 +20,9 @@ NAMES = {"optstate_adamw": "default", "optstate_adamw_8bit": "8bit", "optstate_a
          "optstate_adamw_bf16w_4bit": "bf16w-4bit", "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
          "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
          "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
-         "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr"}
+         "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
+         "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
+         "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload"}
 
 
 def test_names_map_to_core_presets():
