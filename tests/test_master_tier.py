@@ -87,9 +87,13 @@ def test_host_correction_with_gradient_release_and_on_the_reference_path():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("seed_elements", [1 << 24, 700], ids=["whole", "row-blocks"])
 @pytest.mark.parametrize("options", [dict(offload=True), dict()], ids=["offload", "hostcorr"])
-def test_first_fused_step_reads_the_offloaded_cast_remainder(options):
-    """lr 0: the masters after one step are the exact fp32 values cast_model split (corr16)."""
+def test_first_fused_step_reads_the_offloaded_cast_remainder(options, seed_elements, monkeypatch):
+    """lr 0: the masters after one step are the exact fp32 values cast_model split (corr16), also
+    when the new correction is encoded in blocks of rows (as an 8B model's embedding is)."""
+    from optstate_core.step import fused
+    monkeypatch.setattr(fused, "SEED_ELEMENTS", seed_elements)
     g = torch.Generator().manual_seed(0)
     exact = [(torch.randn(s, generator=g) * 0.5).to(DEVICE) for s in SHAPES]
     policy = oc.make_policy("bf16w-4bit", master_tier=None if options else "host")

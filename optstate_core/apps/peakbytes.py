@@ -82,7 +82,9 @@ def run_peak_bytes(args, runner=run_in_subprocess) -> int:
 def summarize(model: str, shape: LlamaShape, name: str, r: dict, base) -> dict:
     """One table row: the trial's figures and the bytes/param derived from it and its baseline."""
     n = shape.params
-    row = {"model": model, "params": n, "optimizer": name, "status": r["status"], "error": r.get("error"),
+    error = r.get("error") if not r.get("failed_in") else f"{r['failed_in']}: {r.get('error')}"
+    row = {"model": model, "params": n, "optimizer": name, "status": r["status"], "error": error,
+           "peak_first_bytes": r.get("peak_first_bytes"), "steps_allocated_bytes": r.get("steps_allocated_bytes"),
            "step_s": r.get("step_s"), "tokens_per_s": r.get("tokens_per_s"), "peak_bytes": r.get("peak_step_bytes"),
            "held_bytes": r.get("held_bytes"), "host_bytes": r.get("optimizer_host_bytes"), "activation_bytes": None,
            "bytes_per_param_at_peak": None}

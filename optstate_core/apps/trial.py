@@ -76,26 +76,33 @@ def run_trial(spec: TrialSpec) -> dict:
         tokens = torch.randint(0, shape.vocab, (spec.batch, spec.seq), device=device)
         out["build_s"] = time.perf_counter() - t0
         times = []
+        out["steps_allocated_bytes"] = []  # CUDA: (allocated at the step's start, the running peak at its end)
         for i in range(spec.warmup + spec.steps):
             if cuda:
                 torch.cuda.synchronize(device)
                 if i == spec.warmup:
                     out["peak_first_bytes"] = torch.cuda.max_memory_allocated(device)
                     torch.cuda.reset_peak_memory_stats(device)
+                start = torch.cuda.memory_allocated(device)
             t = time.perf_counter()
             for k in range(spec.accumulate):
                 if hasattr(opt, "set_step_boundary"):  # release on the window's last micro-batch only
                     opt.set_step_boundary(k == spec.accumulate - 1)
+                out["failed_in"] = f"step {i}, forward of micro-batch {k}"  # where an OOM struck, if one does
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=contender.autocast):
                     loss = model(input_ids=tokens, labels=tokens).loss
+                out["failed_in"] = f"step {i}, backward of micro-batch {k}"
                 loss.backward()
+            out["failed_in"] = f"step {i}, optimizer step"
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(device)
+                out["steps_allocated_bytes"].append((start, torch.cuda.max_memory_allocated(device)))
             if i >= spec.warmup:
                 times.append(time.perf_counter() - t)
+        del out["failed_in"]
         out["loss"] = float(loss.detach())
         out["step_s"] = statistics.median(times)
         out["tokens_per_s"] = spec.accumulate * spec.batch * spec.seq / out["step_s"]

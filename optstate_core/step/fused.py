@@ -30,6 +30,7 @@ from ..state import master_weights
 log = logging.getLogger("optstate")
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+SEED_ELEMENTS = 1 << 24  # rows of a new correction encoded at once (64 MiB of fp32)
 MASTER_BITS = {"corr16": 16, "corr8": 8}  # correction codecs the Adam kernel's master-weight path takes
 
 
@@ -215,16 +216,28 @@ class FusedPath:
             values = allocate_many(codec, [w.param.shape for w in missing], torch.float32, missing[0].param.device,
                                    host=host[-1], pin_memory=host[-1] and pin)
             for w, value in zip(missing, values):
-                where = w.param.device  # encoded there (a host-tier correction is copied down once)
-                seed = master_weights.seed_of(w.key)
-                seed = torch.zeros(value.slab, device=where) if seed is None else seed.to(where).reshape(value.slab)
-                payload = value.payload if value.device == where else codec.empty(*value.slab, where)
-                codec.encode_into(seed, payload, None)
-                if payload is not value.payload:
-                    for name, t in payload.items():
-                        value.payload[name].copy_(t)
-                master_weights.forget_seed(w.key)
+                self._seed_correction(w, value, codec)
                 w.state[MASTER_KEY] = value
+
+    def _seed_correction(self, w, value, codec) -> None:
+        """Encode a new correction from what ``cast_model`` dropped (else zero) on the parameter's
+        device, in blocks of rows of at most :data:`SEED_ELEMENTS` elements (an 8B model's
+        embedding would otherwise take 2 GiB of fp32 at once), copied down when it lives on the host."""
+        where = w.param.device
+        rows, cols = value.slab
+        seed = master_weights.seed_of(w.key)
+        seed = None if seed is None else seed.reshape(value.slab)
+        step = max(1, SEED_ELEMENTS // max(cols, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            part = torch.zeros(r1 - r0, cols, device=where) if seed is None else seed[r0:r1].to(where)
+            target = {name: t[r0:r1] for name, t in value.payload.items()}  # the correction's one row per slab row
+            staged = target if value.device == where else codec.empty(r1 - r0, cols, where)
+            codec.encode_into(part, staged, None)
+            if staged is not target:
+                for name, t in staged.items():
+                    target[name].copy_(t)
+        master_weights.forget_seed(w.key)
 
     def _storage(self, w, plan):
         """The state tensors the kernel reads and writes (local shards); the master-weight
