@@ -25,13 +25,6 @@ are released, so ``clip_mode`` chooses:
 
 ``last_grad_norm`` is the global 2-norm of the last step's gradients before clipping (a tensor).
 
-On CUDA (one process, not FSDP2) a batch's clip and update run on a side stream of their own,
-ordered after the gradients by an event, so backward goes on while the update (and any upload of
-offloaded state it waits for) runs beside it. The backward stream may run at most one batch ahead
-of the side stream (a device-side wait, so at most three batches of gradients exist at once), and
-it waits for the side stream when backward ends, before anything reads the updated weights.
-``OPTSTATE_RELEASE_STREAM=0`` runs the updates on the backward stream instead.
-
 Under FSDP2 the hook is the one FSDP2 calls on each sharded parameter after its reduce-scatter
 (on its post-reduce stream, so the update is ordered after the reduced gradient and before the
 next forward's all-gather): each rank updates its local shard. Norms are taken over local
@@ -44,9 +37,7 @@ parameter across ranks (other paths), as without release.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from typing import Dict, Optional
 
 import torch
@@ -65,8 +56,6 @@ EPS = 1e-6
 #: launch per parameter costs ~0.1 ms of host time on a GPU (pointer tables, Triton's launcher),
 #: and a few hundred MB of gradients is little beside what release frees
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-#: updates of released batches on a side stream beside backward (CUDA, one process)
-SIDE_STREAM = os.environ.get("OPTSTATE_RELEASE_STREAM", "1") != "0"
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
@@ -108,8 +97,7 @@ class GradientRelease:
         self._exact_norm: Optional[torch.Tensor] = None  # this step's global norm, when one batch held it all
         self.released = 0  # parameters updated in backward this step
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
-        self._side = None  # CUDA: the stream the batches' updates run on (see the module doc)
-        self._ahead = None  # event: the side stream finished the previous batch
+
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
         """Backward hook on the boundary micro-batch: queue this parameter for its batch's update;
@@ -138,17 +126,12 @@ class GradientRelease:
         gradient of the step, and ``"previous"`` clipping uses their exact global norm, as
         ``clip_grad_norm_`` after backward would (release then equals no release bit for bit)."""
         if not self._pending:
-            if final:
-                self.join()
             return
         items, self._pending, self._pending_bytes = self._pending, [], 0
         whole = final and not self._partial and self.max_grad_norm is not None and self.clip_mode == "previous" \
             and self.group is None
         self._partial = self._partial or not final
-        side = self._side_stream(items[0][0])
-        if side is not None:  # the gradients were made on the stream backward runs on
-            side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.no_grad(), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+        with torch.no_grad():
             if whole:  # in the parameters' order, as a clipping call over model.parameters() sums them
                 items.sort(key=lambda item: item[1].index)
                 self._exact_norm = torch.nn.utils.clip_grad_norm_([p for p, _ in items], self.max_grad_norm,
@@ -158,40 +141,7 @@ class GradientRelease:
                     self._clip_one(p.grad)
             self.step_params(items)
         for p, _ in items:
-            if side is not None:  # backward may reuse this memory only once the side stream is done with it
-                p.grad.record_stream(side)
             p.grad = None
-        if side is not None:
-            self._bound_lead(side)
-        if final:
-            self.join()
-
-    # -- the side stream --------------------------------------------------------------------------
-    def _side_stream(self, param):
-        """The stream this batch's update runs on: a side stream on CUDA for one process, else
-        None (the current stream). FSDP2's hooks run on its own post-reduce stream and stay there."""
-        if not SIDE_STREAM or not param.is_cuda or self.group is not None:
-            return None
-        if self._side is None or self._side.device != param.device:
-            self._side = torch.cuda.Stream(param.device)
-            self._ahead = None
-        return self._side
-
-    def _bound_lead(self, side) -> None:
-        """Backward may run one batch ahead of the side stream, no more (GPU-side wait): gradients
-        waiting for their update stay bounded when the updates are slower than backward."""
-        done = torch.cuda.Event()
-        done.record(side)
-        if self._ahead is not None:
-            torch.cuda.current_stream(side.device).wait_event(self._ahead)
-        self._ahead = done
-
-    def join(self) -> None:
-        """The current stream waits for every update queued on the side stream (end of backward,
-        ``step()``, and before optimizer state is read or replaced)."""
-        if self._side is not None:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-            self._ahead = None
 
     def _info_of(self, param):
         info = self._infos.get(id(param))
@@ -262,8 +212,7 @@ class GradientRelease:
     def __getstate__(self):
         """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
-        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None,
-                     _side=None, _ahead=None)
+        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None)
         return state
 
     # -- clipping ----------------------------------------------------------------------------------

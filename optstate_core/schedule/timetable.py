@@ -321,8 +321,6 @@ class StepSchedule:
     def sync(self) -> None:
         """Wait for queued write-backs (before the host payloads are read, replaced or freed);
         staged copies are dropped (whoever syncs may change the host state)."""
-        if self.release is not None:  # released batches' updates still running beside backward
-            self.release.join()
         self.drop_prefetch()
         if self.last_writeback is not None:
             self.last_writeback.synchronize()

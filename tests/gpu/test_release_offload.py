@@ -1,14 +1,12 @@
-"""Gradient release on a side stream (CUDA): updates run beside backward, ordered by events only.
-
-Bit for bit the same as the updates on the backward stream, and as no release (one batch holds
-the step: the exact global clip), for resident, host-correction, fully offloaded and budgeted
-state, with several batches per backward (a small ``release_bucket_bytes``: the lead bound) and
-without; the side stream is joined before the weights are read."""
+"""Gradient release over streamed state on a GPU: resident, host correction, fully offloaded
+(``bf16w-4bit-lean-offload``) and budgeted state (``gpu_budget``) train bit for bit as without
+release (one batch holds the step: the exact global clip) and as one update per batch when a small
+``release_bucket_bytes`` splits backward into several; a released backward over offloaded state
+never synchronises the host."""
 import pytest
 import torch
 
 import optstate_core as oc
-from optstate_core.schedule import release as release_mod
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -22,14 +20,13 @@ def _model():
                                torch.nn.Linear(2048, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256)).cuda()
 
 
-def _train(preset, options, release, side=True, bucket=None, steps=4, monkeypatch=None):
-    monkeypatch.setattr(release_mod, "SIDE_STREAM", side)
+def _train(preset, options, release, bucket=None, clip=1.0, steps=4):
     model = _model()
     if oc.presets.has_master_weights(preset):
         oc.cast_model(model)
     extra = {} if bucket is None or not release else {"release_bucket_bytes": bucket}
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, release_gradients=release,
-                  max_grad_norm=1.0, staging_bytes="4MB", **options, **extra)
+                  max_grad_norm=clip, staging_bytes="4MB", **options, **extra)
     dtype = next(model.parameters()).dtype
     g = torch.Generator("cuda").manual_seed(1)
     for _ in range(steps):
@@ -37,23 +34,23 @@ def _train(preset, options, release, side=True, bucket=None, steps=4, monkeypatc
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    weights = [p.detach().clone() for p in model.parameters()]  # read on the compute stream, no sync
-    return weights, opt
+    return [p.detach().clone() for p in model.parameters()], opt
 
 
 @pytest.mark.parametrize("preset,options", CASES, ids=[p + ("+budget" if o else "") for p, o in CASES])
-def test_side_stream_release_is_bit_identical(preset, options, monkeypatch):
-    ref, _ = _train(preset, options, release=False, monkeypatch=monkeypatch)
-    whole, opt = _train(preset, options, release=True, monkeypatch=monkeypatch)
-    assert opt._engine.gradient_release._side is not None  # the updates ran on the side stream
+def test_release_over_streamed_state_is_bit_identical(preset, options):
+    ref, _ = _train(preset, options, release=False)
+    whole, opt = _train(preset, options, release=True)
+    assert opt.last_step_timings["fused_params"] == 0  # every tensor was updated in backward
     assert all(torch.equal(a, b) for a, b in zip(ref, whole))  # one batch: the exact global clip
-    batches, _ = _train(preset, options, release=True, bucket=256 * 1024, monkeypatch=monkeypatch)
-    inline, _ = _train(preset, options, release=True, bucket=256 * 1024, side=False, monkeypatch=monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(inline, batches))  # several batches, the lead bound
+    if options or preset.endswith("offload"):
+        assert opt.memory_report()["host_bytes"] > 0
+    unclipped, _ = _train(preset, options, release=False, clip=None)
+    batches, _ = _train(preset, options, release=True, bucket=256 * 1024, clip=None)
+    assert all(torch.equal(a, b) for a, b in zip(unclipped, batches))  # several batches per backward
 
 
-def test_side_stream_released_backward_never_syncs(monkeypatch):
-    monkeypatch.setattr(release_mod, "SIDE_STREAM", True)
+def test_released_backward_over_offloaded_state_never_syncs():
     model = _model()
     oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16w-4bit-lean-offload", release_gradients=True,
