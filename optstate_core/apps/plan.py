@@ -4,8 +4,16 @@ State bytes are computed exactly, the way the optimizer will hold them: for ever
 shape and state key the preset's policy picks the codec and the tier (as it does at a step
 after warmup), and the codec's ``nbytes`` gives the payload size. Shapes come from a Hugging
 Face ``config.json`` (Llama / Mistral / Qwen2 / GPT-2 families) or, with only a parameter
-count, from an approximation: the parameters as one matrix with 4096 rows, which ignores
-that norms and biases stay uncompressed (under 0.1% of a large model's parameters).
+count, from an approximation: the parameters as [4096, 4096] matrices (the size of a large
+model's layer weights), which ignores that norms and biases stay uncompressed (under 0.1% of a
+large model's parameters).
+
+GPU bytes per row: weights + gradients + state kept on the GPU + activations (given) + the
+staging ring when state lives in host memory. With ``--release-gradients`` every optstate row
+frees gradients in backward, so at most a batch of them is alive (``release_bucket_bytes``, 256
+MiB by default, plus the largest parameter's). Rows with state in host memory also say what it
+costs: the bytes that cross PCIe each step (each way) and the time that takes at ``--pcie-gbps``,
+a floor for the step when nothing hides the copies.
 """
 from __future__ import annotations
 
@@ -37,6 +45,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 APPROX_ROWS = 4096
 COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 AFTER_WARMUP = 10**9  # the step at which policies are asked: any warmup is long over
+STAGING_BYTES = 256 * 2**20  # wrap(staging_bytes=...)'s default: the ring offloaded state streams through
+RELEASE_BUCKET_BYTES = 256 * 2**20  # wrap(release_bucket_bytes=...)'s default
+#: host <-> device bytes per second each way while both directions copy at once (one H100: 85-88
+#: GB/s in both directions together, 53-55 GB/s one way alone; BENCHMARKS.md section 23)
+PCIE_BYTES_PER_S = 42e9
+#: the preset a "gpu_budget" row is built from (resident up to the budget, the rest streamed)
+BUDGET_PRESET = "bf16w-4bit-lean"
+BUDGET_MARGIN = 0.05  # of the GPU left free beside a gpu_budget row (allocator fragmentation, cuBLAS workspaces)
 
 
 def parse_count(text: str) -> int:
@@ -51,14 +67,18 @@ def parse_count(text: str) -> int:
 
 
 def approximate_shapes(n_params: int) -> NamedShapes:
-    """``n_params`` as one ``[4096, n // 4096]`` matrix plus a 1-D remainder.
+    """``n_params`` as ``[4096, 4096]`` matrices, a ``[4096, k]`` one and a 1-D remainder.
 
-    Large models are almost all big matrices; this counts the block codecs' per-block scales
-    for rows of ``n // 4096`` elements and ignores that norms and biases (well under 0.1% of a
-    large model) stay uncompressed. Give ``--config`` for exact numbers."""
-    rows = APPROX_ROWS if n_params >= APPROX_ROWS else 1
-    cols, rest = divmod(n_params, rows)
-    shapes: NamedShapes = [("params", (rows, cols) if rows > 1 else (cols,))]
+    Large models are almost all matrices of about this size (a 7B-8B model's layer weights), so
+    the block codecs' per-block scales come out right and gradient release frees what it would
+    (a gradient at a time, not the whole model); norms and biases (well under 0.1% of a large
+    model) stay uncompressed and are ignored. Give ``--config`` for exact numbers."""
+    block = APPROX_ROWS * APPROX_ROWS
+    full, rest = divmod(n_params, block)
+    shapes: NamedShapes = [(f"params.{i}", (APPROX_ROWS, APPROX_ROWS)) for i in range(full)]
+    cols, rest = divmod(rest, APPROX_ROWS)
+    if cols:
+        shapes.append((f"params.{full}", (APPROX_ROWS, cols)))
     if rest:
         shapes.append(("params.rest", (rest,)))
     return shapes
@@ -221,6 +241,13 @@ class PlanRow:
     bits_per_param: float
     weights: int = 0  # this row's parameter bytes (bf16 for master-weight presets)
     grads: int = 0  # this row's gradient bytes at the step's peak
+    staging: int = 0  # the staging ring that host-resident state streams through
+    gpu_budget: Optional[int] = None  # a row that keeps state resident up to this many bytes
+
+    @property
+    def pcie_bytes(self) -> int:
+        """Bytes that cross PCIe each way per step: the state kept in host memory."""
+        return self.state.host
 
 
 @dataclass
@@ -233,16 +260,28 @@ class Plan:
     rows: List[PlanRow]
     optimizer: str
     source: str
+    weights_dtype: str = "fp32"
+    release_gradients: bool = False
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S
+
+    def best(self) -> Optional[PlanRow]:
+        """The row that fits with the least state in host memory (then the fewest GPU bytes)."""
+        fitting = [r for r in self.rows if r.fits and not r.name.startswith("torch ")]
+        return min(fitting, key=lambda r: (r.state.host, r.total_gpu), default=None)
 
 
 def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", presets: Sequence[str] = (),
               weights_dtype: str = "fp32", grads_dtype: Optional[str] = None, activations: int = 0,
-              source: str = "", release_gradients: bool = False) -> Plan:
+              source: str = "", release_gradients: bool = False, staging_bytes: int = STAGING_BYTES,
+              release_bucket_bytes: int = RELEASE_BUCKET_BYTES, pcie_bytes_per_s: float = PCIE_BYTES_PER_S) -> Plan:
     """Per preset (and for the unwrapped optimizer first): state on GPU and host, the GPU total
-    (weights + grads + state on GPU + activations) and whether it fits in ``gpu_memory``.
-    Master-weight presets (``bf16w-*``) hold bf16 weights and bf16 gradients whatever the dtypes
-    given; with ``release_gradients`` their gradients count as the largest parameter's only
-    (each is freed as soon as its parameter is updated in backward)."""
+    (weights + grads + state on GPU + activations + the staging ring if state is on the host)
+    and whether it fits in ``gpu_memory``. Master-weight presets (``bf16w-*``) hold bf16 weights
+    and bf16 gradients whatever the dtypes given. With ``release_gradients`` every preset's
+    gradients count as one release batch (``release_bucket_bytes`` plus the largest parameter's
+    gradient; the unwrapped optimizer keeps them all). When ``bf16w-4bit-lean`` does not fit but
+    the GPU has room beside its weights, a row with ``gpu_budget`` (state resident up to what is
+    left, the rest streamed) is added."""
     from ..metrics import bits_per_param
     from ..presets import has_master_weights
     if optimizer not in OPTIMIZER_STATES:
@@ -250,21 +289,62 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     for arg, value in (("--weights-dtype", weights_dtype), ("--grads-dtype", grads_dtype or weights_dtype)):
         if value not in DTYPES:
             raise ValueError(f"{arg} must be one of {', '.join(DTYPES)}, got {value!r}")
+    if not pcie_bytes_per_s > 0:
+        raise ValueError(f"--pcie-gbps must be a positive number, got {pcie_bytes_per_s / 1e9!r}")
     wdtype, gdtype = DTYPES[weights_dtype], DTYPES[grads_dtype or weights_dtype]
     n = sum(math.prod(s) for _, s in shapes)
     weights = n * _itemsize(wdtype)
     grads = n * _itemsize(gdtype)
     rows = []
     largest = max((math.prod(s) for _, s in shapes), default=0)
-    for preset in [None, *presets]:
-        st = state_bytes(shapes, preset, optimizer, wdtype)
+
+    def released(itemsize: int) -> int:  # gradient bytes alive at once when released in backward
+        return min(n * itemsize, release_bucket_bytes + largest * itemsize)
+
+    def row(preset, st, budget=None):
         w, g = weights, grads
         if has_master_weights(preset):
-            w, g = 2 * n, (2 * largest if release_gradients else 2 * n)
-        total = w + g + st.device + activations
-        rows.append(PlanRow(f"torch {optimizer}" if preset is None else preset, st, total, total <= gpu_memory,
-                            bits_per_param(st.total, n), w, g))
-    return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source)
+            w, g = 2 * n, 2 * n
+        if release_gradients and preset is not None:
+            g = released(g // n if n else 0)
+        staging = min(staging_bytes, budget // 2) if budget is not None else (staging_bytes if st.host else 0)
+        total = w + g + st.device + activations + staging
+        name = f"torch {optimizer}" if preset is None else preset
+        if budget is not None:
+            name = f"{preset} + gpu_budget={budget / 2**30:.2f}GiB"
+        return PlanRow(name, st, total, total <= gpu_memory, bits_per_param(st.total, n), w, g, staging, budget)
+
+    for preset in [None, *presets]:
+        rows.append(row(preset, state_bytes(shapes, preset, optimizer, wdtype)))
+    resident = next((r for r in rows if r.name == BUDGET_PRESET), None)
+    if resident is not None and not resident.fits:
+        # what the state may take on the GPU, keeping BUDGET_MARGIN of the card for the allocator
+        room = int(gpu_memory * (1 - BUDGET_MARGIN)) - (resident.total_gpu - resident.state.device)
+        if room > 2 * 2**20:
+            st = budget_state_bytes(shapes, BUDGET_PRESET, optimizer, room)
+            rows.append(row(BUDGET_PRESET, st, budget=room))
+    return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source, weights_dtype,
+                release_gradients, pcie_bytes_per_s)
+
+
+def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget: int) -> StateBytes:
+    """State bytes of ``preset`` under ``gpu_budget=budget``: as the optimizer assigns residency,
+    each parameter's state (moments and correction) stays on the GPU, in parameter order, while it
+    fits beside the staging ring (half the budget at most); the rest is in host memory."""
+    out = StateBytes()
+    room = budget - min(STAGING_BYTES, budget // 2)
+    for name, shape in shapes:
+        one = state_bytes([(name, shape)], preset, optimizer)
+        on_device = one.total <= room
+        room -= one.total if on_device else 0
+        out.device += one.total if on_device else 0
+        out.host += 0 if on_device else one.total
+        corr = one.correction_device + one.correction_host
+        out.correction_device += corr if on_device else 0
+        out.correction_host += 0 if on_device else corr
+        for codec, nbytes in one.by_codec.items():
+            out.by_codec[codec] = out.by_codec.get(codec, 0) + nbytes
+    return out
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -276,28 +356,67 @@ def gib(n: int) -> str:
 
 
 def format_plan(plan: Plan) -> str:
+    released = " (released in backward: a batch at a time)" if plan.release_gradients else ""
     lines = [f"{plan.source}: {plan.n_params:,} parameters ({plan.n_params / 1e9:.3f}B); optimizer {plan.optimizer}",
-             f"weights {gib(plan.weights)} + grads {gib(plan.grads)} + activations {gib(plan.activations)} "
+             f"weights {gib(plan.weights)} + grads {gib(plan.grads)}{released} + activations {gib(plan.activations)} "
              f"+ optimizer state on the GPU; GPU memory {plan.gpu_memory / 1e9:.1f} GB = {gib(plan.gpu_memory)}",
              "",
              "| preset | weights + grads | master correction | state on GPU | state on host | bits/param | "
-             "GPU bytes/param | total on GPU | fits |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "GPU bytes/param | total on GPU | fits | host<->GPU per step (each way) | copy time per step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in plan.rows:
         corr = f"{gib(r.state.correction_device + r.state.correction_host)}" + (
-            " (host)" if r.state.correction_host else "")
+            " (host)" if r.state.correction_host and not r.state.correction_device else "")
         per_param = (r.total_gpu - plan.activations) / plan.n_params if plan.n_params else 0.0
+        moved = f"{gib(r.pcie_bytes)}" if r.pcie_bytes else "0"
+        copy = f"{r.pcie_bytes / plan.pcie_bytes_per_s:.2f} s" if r.pcie_bytes else ""
         lines.append(f"| {r.name} | {gib(r.weights + r.grads)} | {corr} | {gib(r.state.device)} | "
                      f"{gib(r.state.host)} | {r.bits_per_param:.1f} | {per_param:.2f} | "
-                     f"{gib(r.total_gpu)} | {'yes' if r.fits else 'no'} |")
+                     f"{gib(r.total_gpu)} | {'yes' if r.fits else 'no'} | {moved} | {copy} |")
     fitting = [r.name for r in plan.rows if r.fits]
     lines.append("")
-    lines.append(f"fits: {', '.join(fitting)}" if fitting else
-                 "nothing fits: fewer activations (smaller batch, activation checkpointing), bf16 weights and "
-                 "grads, or shard the model (FSDP) across GPUs")
+    best = plan.best()
+    if best is not None:
+        lines.append(f"fits: {', '.join(fitting)}")
+        lines.append(f"pick: {_how_to_wrap(best, plan)}")
+    else:
+        lines.append("nothing fits: " + "; ".join(_hints(plan)))
+    lines.append(f"copy time = state in host memory / {plan.pcie_bytes_per_s / 1e9:.0f} GB/s each way (--pcie-gbps): "
+                 "a step's floor when backward cannot hide the copies; gradient accumulation and larger batches "
+                 "hide more of it. The staging ring (256 MiB) counts in rows with host state.")
     lines.append("During step() a compressed preset also materializes up to chunk_bytes (64 MiB by default) of "
                  "full-precision state at a time; offloaded state needs pinned host memory of its size.")
     return "\n".join(lines)
+
+
+def _how_to_wrap(row: PlanRow, plan: Plan) -> str:
+    """The call that builds the chosen row."""
+    from ..presets import has_master_weights
+    preset = row.name.split(" + ")[0]
+    options = [f"{preset!r}"]
+    if plan.release_gradients:
+        options.append("release_gradients=True")
+    if row.gpu_budget is not None:
+        options.append(f"gpu_budget={row.gpu_budget}")
+    cast = "optstate_core.cast_model(model); " if has_master_weights(preset) else ""
+    return f"{row.name}: {cast}optstate_core.wrap(optimizer, {', '.join(options)})"
+
+
+def _hints(plan: Plan) -> List[str]:
+    """What could make something fit, given what was already asked for."""
+    out = []
+    if plan.activations:
+        out.append("fewer activations (a smaller batch, activation checkpointing)")
+    if plan.weights_dtype != "bf16":
+        out.append("bf16 weights (the bf16w-* presets keep fp32 masters as state)")
+    if not plan.release_gradients:
+        out.append("--release-gradients (free each gradient in backward)")
+    smallest = min((r for r in plan.rows if not r.name.startswith("torch ")), key=lambda r: r.total_gpu, default=None)
+    if smallest is not None:
+        short = smallest.total_gpu - plan.gpu_memory
+        out.append(f"the smallest row ({smallest.name}) needs {gib(short)} more than the GPU has: shard the model "
+                   "over GPUs with FSDP2 (docs/distributed.md)")
+    return out
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -319,8 +438,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grads-dtype", default=None, choices=sorted(DTYPES),
                         help="dtype of the gradients (default: the weights dtype)")
     parser.add_argument("--release-gradients", action="store_true",
-                        help="master-weight presets free each gradient in backward (wrap(release_gradients="
-                             "True)): count only the largest parameter's gradient")
+                        help="every optstate preset frees each gradient in backward (wrap(release_gradients=True)): "
+                             "count one release batch of gradients (256 MiB plus the largest parameter's)")
+    parser.add_argument("--pcie-gbps", type=float, default=PCIE_BYTES_PER_S / 1e9,
+                        help="host<->GPU GB/s each way with both directions busy, for the copy time of rows with "
+                             "state in host memory (default: %(default)s, one H100's measured duplex rate)")
     parser.add_argument("--activations", default="0",
                         help="activation memory at your batch size, e.g. 10GB: measure it or estimate it "
                              "(default: 0)")
@@ -339,7 +461,8 @@ def plan_from_args(args) -> Plan:
         n = parse_count(args.params)
         shapes, source = approximate_shapes(n), f"--params {args.params} (approximate shapes)"
     return make_plan(shapes, gpu, args.optimizer, parse_presets(args.presets), args.weights_dtype,
-                     args.grads_dtype, activations, source, release_gradients=args.release_gradients)
+                     args.grads_dtype, activations, source, release_gradients=args.release_gradients,
+                     pcie_bytes_per_s=args.pcie_gbps * 1e9)
 
 
 def run(args) -> int:
