@@ -342,6 +342,17 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
     result = convergence.run_convergence(per_tensor, ["fp32+release"], [0, 1], progress=False)
     losses_per_tensor = {r.run: r.val_losses for r in result.rows}
     assert losses_per_tensor["optstate-fp32+release"] != pytest.approx(losses_per_tensor["adamw"], rel=1e-4)
+    # --release-bucket-bytes 0: one update per gradient, so "previous" clips one step late
+    late = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0.01",
+                                                                "--release-bucket-bytes", "0"]))
+    assert demo.build_optimizer(demo.TinyLM.from_config(late), late,
+                                "8bit+release")._engine.gradient_release.bucket_bytes == 0
+    result = convergence.run_convergence(late, ["fp32+release"], [0, 1], progress=False)
+    losses_late = {r.run: r.val_losses for r in result.rows}
+    assert losses_late["optstate-fp32+release"] != pytest.approx(losses_late["adamw"], rel=1e-4)
+    with pytest.raises(SystemExit):
+        cli.main(["demo", *TINY, "--release-bucket-bytes", "lots"])
+    assert "--release-bucket-bytes must be a byte count" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["demo", *TINY, "--presets", "8bit+later"])
     assert "unknown preset '8bit+later'" in capsys.readouterr().err

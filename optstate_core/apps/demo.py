@@ -63,6 +63,8 @@ def build_optimizer(model: nn.Module, cfg: DemoConfig, preset: Optional[str]) ->
         return inner
     preset, release = split_release(preset)
     options = dict(release_gradients=True, max_grad_norm=cfg.clip or None, clip_mode=cfg.clip_mode) if release else {}
+    if release and cfg.release_bucket_bytes is not None:
+        options["release_bucket_bytes"] = cfg.release_bucket_bytes
     return wrap(inner, preset, named_parameters=model.named_parameters(), **options)
 
 
@@ -245,6 +247,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] 
                         "for +release presets; 0: off (default: %(default)s)")),
         ("--clip-mode", dict(default=d.clip_mode, help="how +release presets clip: previous (the previous "
                              "step's global norm) or per_tensor (default: %(default)s)")),
+        ("--release-bucket-bytes", dict(type=_bucket_bytes, default=None,
+                                        help="+release presets: gradient bytes pending before one batched update; 0 "
+                                             "updates each gradient in its hook, so 'previous' clips one step late "
+                                             "(default: the optimizer's, 256MiB)")),
         ("--warmup-steps", dict(type=int, default=d.warmup_steps, help="LR warmup steps (default: %(default)s)")),
         ("--eval-every", dict(type=int, default=d.eval_every,
                               help="held-out loss every N steps and at the end (default: %(default)s)")),
@@ -269,6 +275,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="output directory for metrics.csv and demo.png (default: runs/demo-<time>)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+
+
+def _bucket_bytes(text: str) -> int:
+    from ..state.units import parse_bytes
+    if str(text).strip() == "0":
+        return 0
+    try:
+        return parse_bytes(text, "--release-bucket-bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def config_from_args(args) -> DemoConfig:

@@ -18,7 +18,8 @@ def bf16_model():
     return model
 
 
-@pytest.mark.parametrize("name,release", [("optstate_adamw_bf16w_4bit_lean", True), ("optstate_adamw_bf16w_8bit", False)])
+@pytest.mark.parametrize("name,release", [("optstate_adamw_bf16w_4bit_lean", True), ("optstate_adamw_bf16w_8bit", False),
+                                          ("optstate_adamw_bf16w_4bit_lean_offload", True)])
 def test_bf16w_names_train_with_master_corrections(tmp_path, name, release):
     optim_args = "min_int8_elements=0" + (",release_gradients=true" if release else "")
     model = bf16_model()
@@ -30,6 +31,8 @@ def test_bf16w_names_train_with_master_corrections(tmp_path, name, release):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     corrections = [s[MASTER_KEY] for s in opt.state.values() if MASTER_KEY in s]
     assert len(corrections) == len(list(model.parameters()))  # every bf16 parameter has its master
+    if name.endswith("offload"):  # the 24 GB recipe's name: moments and correction in host memory
+        assert opt.memory_report()["device_bytes"] == 0 and all(c.host_tier for c in corrections)
     masters = oc.master_state_dict(model, opt)
     after = flat_params(model)
     assert not torch.equal(before, after)
