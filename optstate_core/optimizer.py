@@ -90,9 +90,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
             (and at the end of backward), then one launch updates them all (default 256MiB; 0:
             each parameter in its own hook). A byte count or a string ("64MB").
         max_grad_norm: clip gradients to this 2-norm before the update (None: no clipping).
-        clip_mode: ``"auto"`` (``"global"`` without release, ``"previous"`` with it),
-            ``"global"`` (torch's ``clip_grad_norm_`` over all gradients in ``step()``),
-            ``"previous"`` (scale by the previous step's global norm) or ``"per_tensor"``.
+        clip_mode: ``"auto"`` (``"global"`` without release; with it the exact global norm when
+            one batch holds every gradient, else per tensor), ``"global"`` (torch's
+            ``clip_grad_norm_`` over all gradients in ``step()``), ``"previous"`` (the exact norm
+            when one batch holds the step, else the previous step's global norm) or ``"per_tensor"``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, *,

@@ -343,8 +343,8 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
     losses_per_tensor = {r.run: r.val_losses for r in result.rows}
     assert losses_per_tensor["optstate-fp32+release"] != pytest.approx(losses_per_tensor["adamw"], rel=1e-4)
     # --release-bucket-bytes 0: one update per gradient, so "previous" clips one step late
-    late = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0.01",
-                                                                "--release-bucket-bytes", "0"]))
+    late = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0.01", "--clip-mode",
+                                                                "previous", "--release-bucket-bytes", "0"]))
     assert demo.build_optimizer(demo.TinyLM.from_config(late), late,
                                 "8bit+release")._engine.gradient_release.bucket_bytes == 0
     result = convergence.run_convergence(late, ["fp32+release"], [0, 1], progress=False)
@@ -363,4 +363,4 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
                                 "8bit+release")._engine.gradient_release.clip_mode == "per_tensor"
     with pytest.raises(SystemExit):
         cli.main(["demo", *TINY, "--clip-mode", "global"])
-    assert "--clip-mode must be previous or per_tensor" in capsys.readouterr().err
+    assert "--clip-mode must be auto, previous or per_tensor" in capsys.readouterr().err

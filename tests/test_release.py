@@ -164,10 +164,12 @@ def test_clip_modes_match_their_definitions():
     def global_(grads, previous):
         torch.nn.utils.clip_grad_norm_(grads and [p for p in ref.parameters()], max_norm)
 
-    # "previous" with one update per hook is the previous step's norm; with the default batch, which
-    # holds this small model's every gradient at the end of backward, the exact global norm
+    # "previous" with one update per hook is the previous step's norm, "auto" per tensor; with the
+    # default batch, which holds this small model's every gradient at the end of backward, both
+    # clip by the exact global norm
     for mode, rule, release, bucket in (("per_tensor", per_tensor, True, None),
                                         ("previous", previous_global, True, 0), ("previous", global_, True, None),
+                                        ("auto", per_tensor, True, 0), ("auto", global_, True, None),
                                         ("global", global_, False, None), ("per_tensor", per_tensor, False, None)):
         ref = _model()
         _clip_reference(ref, torch.optim.AdamW, batches, rule)
@@ -195,7 +197,7 @@ def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_s
         _run(model, opt, [b.to(dtype) for b in batches], release=release)
         runs.append((model, opt))
     (m0, o0), (m1, o1) = runs
-    assert o0._engine.gradient_release.clip_mode == "global" and o1._engine.gradient_release.clip_mode == "previous"
+    assert o0._engine.gradient_release.clip_mode == "global" and o1._engine.gradient_release.clip_mode == "auto"
     assert torch.equal(o0.last_grad_norm, o1.last_grad_norm) and float(o1.last_grad_norm) > 0.05
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
@@ -217,4 +219,4 @@ def test_release_and_clip_options_are_validated():
     with pytest.raises(ValueError, match="max_grad_norm"):
         opt.max_grad_norm = 0
     opt.max_grad_norm = 1.0
-    assert opt.max_grad_norm == 1.0 and opt.clip_mode == "previous" and opt.release_gradients
+    assert opt.max_grad_norm == 1.0 and opt.clip_mode == "auto" and opt.release_gradients

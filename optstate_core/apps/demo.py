@@ -53,7 +53,7 @@ def split_release(preset: Optional[str]):
 
 def build_optimizer(model: nn.Module, cfg: DemoConfig, preset: Optional[str]) -> torch.optim.Optimizer:
     """AdamW (weight decay on matrices only), wrapped with ``preset`` unless it is None; a
-    ``+release`` preset updates in backward and clips itself (the "previous" rule at ``cfg.clip``)."""
+    ``+release`` preset updates in backward and clips itself (``cfg.clip_mode`` at ``cfg.clip``)."""
     from ..presets import wrap
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -245,8 +245,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] 
                                 help="AdamW weight decay on weight matrices (default: %(default)s)")),
         ("--clip", dict(type=float, default=d.clip, help="gradient-norm clipping: global, or by --clip-mode "
                         "for +release presets; 0: off (default: %(default)s)")),
-        ("--clip-mode", dict(default=d.clip_mode, help="how +release presets clip: previous (the previous "
-                             "step's global norm) or per_tensor (default: %(default)s)")),
+        ("--clip-mode", dict(default=d.clip_mode, help="how +release presets clip: auto (the exact global norm "
+                             "when one batch holds the step, else per tensor), previous (else the previous step's "
+                             "global norm) or per_tensor (default: %(default)s)")),
         ("--release-bucket-bytes", dict(type=_bucket_bytes, default=None,
                                         help="+release presets: gradient bytes pending before one batched update; 0 "
                                              "updates each gradient in its hook, so 'previous' clips one step late "

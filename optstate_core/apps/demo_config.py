@@ -19,7 +19,7 @@ class DemoConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1
     clip: float = 1.0  # gradient-norm clipping (global; ``clip_mode`` for runs with gradient release); 0: off
-    clip_mode: str = "previous"  # how +release runs clip: "previous" or "per_tensor"
+    clip_mode: str = "auto"  # how +release runs clip: "auto", "previous" or "per_tensor" (wrap's clip_mode)
     release_bucket_bytes: Optional[int] = None  # +release runs: wrap(release_bucket_bytes=...); None: its default
     warmup_steps: int = 20
     eval_every: int = 25
@@ -46,8 +46,8 @@ class DemoConfig:
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (
                 self.clip >= 0 and math.isfinite(self.clip)):
             raise ValueError(f"--clip must be a number >= 0 (0: no clipping), got {self.clip!r}")
-        if self.clip_mode not in ("previous", "per_tensor"):
-            raise ValueError(f"--clip-mode must be previous or per_tensor, got {self.clip_mode!r}")
+        if self.clip_mode not in ("auto", "previous", "per_tensor"):
+            raise ValueError(f"--clip-mode must be auto, previous or per_tensor, got {self.clip_mode!r}")
         b = self.release_bucket_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise ValueError(f"--release-bucket-bytes must be a byte count >= 0 (0: one update per gradient), got {b!r}")

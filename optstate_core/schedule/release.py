@@ -14,9 +14,12 @@ are released, so ``clip_mode`` chooses:
 
 * ``"global"`` (only without release): torch's ``clip_grad_norm_`` over every gradient in
   ``step()``, exactly as a training loop would;
-* ``"previous"`` (release default): when one batch holds every gradient of the step (they fit in
+* ``"auto"`` (release default): when one batch holds every gradient of the step (they fit in
   ``release_bucket_bytes``), they are clipped by their exact global norm at the end of backward,
-  exactly as global clipping would; otherwise every gradient of step t is scaled by
+  exactly as global clipping would; otherwise per tensor (the rule that stayed closest to global
+  clipping when the step spans several batches: BENCHMARKS.md sections 22 and 23); under FSDP2,
+  ``"previous"``;
+* ``"previous"``: the exact global norm when one batch holds the step; otherwise every gradient of step t is scaled by
   ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}`` is the previous step's
   global norm (computed during its release pass, pre-clip); the first step clips per tensor.
   Same direction as global clipping, one step late: a sudden spike passes unclipped once;
@@ -67,11 +70,11 @@ def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
         max_grad_norm = float(max_grad_norm)
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}, got {clip_mode!r}")
-    if clip_mode == "auto":
-        clip_mode = "previous" if release else "global"
+    if clip_mode == "auto" and not release:
+        clip_mode = "global"
     if release and clip_mode == "global":
         raise ValueError("clip_mode='global' needs every gradient before the first update, which "
-                         "release_gradients=True frees in backward; use clip_mode='previous' or 'per_tensor'")
+                         "release_gradients=True frees in backward; use clip_mode='auto', 'previous' or 'per_tensor'")
     return max_grad_norm, clip_mode
 
 
@@ -128,8 +131,8 @@ class GradientRelease:
         if not self._pending:
             return
         items, self._pending, self._pending_bytes = self._pending, [], 0
-        whole = final and not self._partial and self.max_grad_norm is not None and self.clip_mode == "previous" \
-            and self.group is None
+        whole = final and not self._partial and self.max_grad_norm is not None and \
+            self.clip_mode in ("previous", "auto") and self.group is None
         self._partial = self._partial or not final
         with torch.no_grad():
             if whole:  # in the parameters' order, as a clipping call over model.parameters() sums them
@@ -216,13 +219,19 @@ class GradientRelease:
         return state
 
     # -- clipping ----------------------------------------------------------------------------------
+    @property
+    def _one_step_late(self) -> bool:
+        """Whether a step spread over several batches clips by the previous step's global norm
+        ("previous"; "auto" under FSDP2), rather than per tensor."""
+        return self.clip_mode == "previous" or (self.clip_mode == "auto" and self.group is not None)
+
     def _clip_one(self, grad: torch.Tensor) -> None:
         grad = local(grad)  # FSDP2: the local shard (no collective per parameter)
         norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
         self._norms.append(norm)  # one launch per gradient; summed once (norm_so_far, after_step)
         if self.max_grad_norm is None:
             return
-        if self.clip_mode == "previous" and self._scale is not None:
+        if self._one_step_late and self._scale is not None:
             cached = self._scaled
             if cached is None or cached[0] != grad.device or cached[1] != grad.dtype:
                 cached = self._scaled = (grad.device, grad.dtype, self._scale.to(grad.device, grad.dtype))
@@ -284,7 +293,7 @@ class GradientRelease:
 
     def _set_scale(self) -> None:
         """The "previous" rule's clip factor for the next step, from ``last_grad_norm``."""
-        if self.max_grad_norm is not None and self.clip_mode == "previous":
+        if self.max_grad_norm is not None and self._one_step_late:
             self._scale = torch.clamp(self.max_grad_norm / (self.last_grad_norm + EPS), max=1.0)
             self._scaled = None
 
