@@ -295,5 +295,8 @@ def test_plan_and_memory_report_count_weights_correction_and_gradients(preset):
     assert t["optimizer_state"]["device"] == expected.device - corr_bytes
     assert report["device_bytes_per_param"] == pytest.approx((4 * n + expected.device) / n)
     rows = {r.name: r for r in plan.make_plan(shapes, 10**9, presets=[preset], release_gradients=True).rows}
-    assert rows[preset].weights == 2 * n and rows[preset].grads == 2 * 300 * 700
+    assert rows[preset].weights == 2 * n and rows[preset].grads == 2 * n  # one release batch holds them all
+    rows = {r.name: r for r in plan.make_plan(shapes, 10**9, presets=[preset], release_gradients=True,
+                                              release_bucket_bytes=0).rows}
+    assert rows[preset].grads == 2 * 300 * 700  # one update per gradient: the largest one alive
     assert rows[preset].total_gpu == 2 * n + 2 * 300 * 700 + expected.device

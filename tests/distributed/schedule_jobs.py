@@ -1,6 +1,6 @@
 """2-rank gloo jobs for tests/distributed/test_fsdp_schedule.py, on the fused path (Triton
 interpreter on the CPU): FSDP2 with offloaded state against resident state, and FSDP2 with
-gradient release against FSDP2 without it."""
+gradient release (resident or offloaded state) against FSDP2 without it."""
 import os
 
 import torch
@@ -49,11 +49,13 @@ def release_model():
     return dist_jobs.shard_layers(model)
 
 
-def release_run(model, release, rank, world, nan_step=None):
+def release_run(model, release, rank, world, nan_step=None, offload=False):
     """3 windows of 2 micro-batches (boundary marked); the global norm each step (``last_grad_norm``
-    with release, torch's DTensor-aware ``clip_grad_norm_`` without), the skip count."""
+    with release, torch's DTensor-aware ``clip_grad_norm_`` without), the skip count. ``offload``:
+    every shard's state in host memory, streamed through the staging ring in the hooks."""
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=dist_jobs.LR), "8bit", fused=True,
-                  release_gradients=release, max_grad_norm=1e9 if release else None)
+                  release_gradients=release, max_grad_norm=1e9 if release else None, offload=offload,
+                  staging_bytes="64KB")
     norms, unchanged = [], None
     for s in range(3):
         before = [dist_jobs.full(p.detach()).clone() for p in model.parameters()]
@@ -82,6 +84,7 @@ def fsdp_release_job(rank, world, tmp):
     plain = release_run(release_model(), False, rank, world)
     released = release_run(release_model(), True, rank, world)
     nan = release_run(release_model(), True, rank, world, nan_step=1)
+    streamed = release_run(release_model(), True, rank, world, offload=True)
     try:
         ddp_error = None
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
@@ -89,6 +92,7 @@ def fsdp_release_job(rank, world, tmp):
     except ValueError as e:
         ddp_error = str(e)
     out = {"params_equal": all(torch.equal(a, b) for a, b in zip(plain[0], released[0])),
+           "offload_equal": all(torch.equal(a, b) for a, b in zip(plain[0], streamed[0])),
            "norms": (plain[1], released[1]), "nan_unchanged": nan[3], "nan_skipped": nan[2], "ddp_error": ddp_error}
     if rank == 0:
         torch.save(out, f"{tmp}/release_result.pt")

@@ -1,0 +1,141 @@
+"""Parameter shapes for ``optstate plan``: from a Hugging Face ``config.json`` (Llama / Mistral /
+Qwen2/3 / GPT-2 families) or approximated from a parameter count."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import List, Tuple
+
+log = logging.getLogger("optstate.plan")
+
+Shape = Tuple[int, ...]
+NamedShapes = List[Tuple[str, Shape]]
+APPROX_ROWS = 4096
+COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """``"7B"`` -> 7_000_000_000 (suffixes K, M, B/G, T; decimals allowed: ``"1.5B"``)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]?)\s*", str(text))
+    if not m or m.group(2).lower() not in COUNT_SUFFIXES:
+        raise ValueError(f"--params must be a count such as 125M, 7B or 6738415616, got {text!r}")
+    n = int(round(float(m.group(1)) * COUNT_SUFFIXES[m.group(2).lower()]))
+    if n < 1:
+        raise ValueError(f"--params must be at least 1, got {text!r}")
+    return n
+
+
+def approximate_shapes(n_params: int) -> NamedShapes:
+    """``n_params`` as ``[4096, 4096]`` matrices, a ``[4096, k]`` one and a 1-D remainder.
+
+    Large models are almost all matrices of about this size (a 7B-8B model's layer weights), so
+    the block codecs' per-block scales come out right and gradient release frees what it would
+    (a gradient at a time, not the whole model); norms and biases (well under 0.1% of a large
+    model) stay uncompressed and are ignored. Give ``--config`` for exact numbers."""
+    block = APPROX_ROWS * APPROX_ROWS
+    full, rest = divmod(n_params, block)
+    shapes: NamedShapes = [(f"params.{i}", (APPROX_ROWS, APPROX_ROWS)) for i in range(full)]
+    cols, rest = divmod(rest, APPROX_ROWS)
+    if cols:
+        shapes.append((f"params.{full}", (APPROX_ROWS, cols)))
+    if rest:
+        shapes.append(("params.rest", (rest,)))
+    return shapes
+
+
+# -- shapes from a Hugging Face config ------------------------------------------------------
+def _get(config: dict, *keys, default=None):
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    if default is not None:
+        return default
+    raise ValueError(f"--config: missing {' / '.join(keys)}")
+
+
+def config_shapes(config: dict) -> NamedShapes:
+    """Parameter names and shapes of a causal LM described by a Hugging Face ``config.json``.
+
+    Supported: GPT-2 (``model_type`` gpt2) and the Llama family (llama, mistral, qwen2, qwen3 and
+    any config with ``hidden_size`` / ``intermediate_size`` / ``num_hidden_layers`` /
+    ``num_attention_heads``; grouped-query attention through ``num_key_value_heads``).
+    """
+    if not isinstance(config, dict):
+        raise ValueError("--config must hold a JSON object")
+    if "text_config" in config and "hidden_size" not in config:  # multimodal wrapper: its language model
+        config = config["text_config"]
+    model_type = config.get("model_type", "")
+    if model_type == "gpt2" or "n_embd" in config:
+        return _gpt2_shapes(config)
+    if model_type not in ("llama", "mistral", "qwen2", "qwen3", ""):
+        log.warning("model_type %r: computing shapes as for a Llama-style model", model_type)
+    return _llama_shapes(config, model_type)
+
+
+def _llama_shapes(c: dict, model_type: str) -> NamedShapes:
+    vocab = _get(c, "vocab_size")
+    hidden = _get(c, "hidden_size")
+    inter = _get(c, "intermediate_size")
+    layers = _get(c, "num_hidden_layers")
+    heads = _get(c, "num_attention_heads")
+    kv = _get(c, "num_key_value_heads", default=heads)
+    head_dim = c.get("head_dim") or hidden // heads
+    qkv_bias = bool(c.get("attention_bias", False)) or model_type == "qwen2"
+    o_bias = bool(c.get("attention_bias", False))
+    mlp_bias = bool(c.get("mlp_bias", False))
+    tied = bool(c.get("tie_word_embeddings", False))
+    shapes: NamedShapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        attn = [("q_proj", heads * head_dim, hidden, qkv_bias), ("k_proj", kv * head_dim, hidden, qkv_bias),
+                ("v_proj", kv * head_dim, hidden, qkv_bias), ("o_proj", hidden, heads * head_dim, o_bias)]
+        for name, out_f, in_f, bias in attn:
+            shapes.append((f"{p}self_attn.{name}.weight", (out_f, in_f)))
+            if bias:
+                shapes.append((f"{p}self_attn.{name}.bias", (out_f,)))
+        if model_type == "qwen3":
+            shapes += [(f"{p}self_attn.q_norm.weight", (head_dim,)), (f"{p}self_attn.k_norm.weight", (head_dim,))]
+        for name, out_f, in_f in (("gate_proj", inter, hidden), ("up_proj", inter, hidden),
+                                  ("down_proj", hidden, inter)):
+            shapes.append((f"{p}mlp.{name}.weight", (out_f, in_f)))
+            if mlp_bias:
+                shapes.append((f"{p}mlp.{name}.bias", (out_f,)))
+        shapes += [(f"{p}input_layernorm.weight", (hidden,)), (f"{p}post_attention_layernorm.weight", (hidden,))]
+    shapes.append(("model.norm.weight", (hidden,)))
+    if not tied:
+        shapes.append(("lm_head.weight", (vocab, hidden)))
+    return shapes
+
+
+def _gpt2_shapes(c: dict) -> NamedShapes:
+    vocab = _get(c, "vocab_size")
+    d = _get(c, "n_embd", "hidden_size")
+    layers = _get(c, "n_layer", "num_hidden_layers")
+    positions = _get(c, "n_positions", "max_position_embeddings")
+    inner = c.get("n_inner") or 4 * d
+    shapes: NamedShapes = [("transformer.wte.weight", (vocab, d)), ("transformer.wpe.weight", (positions, d))]
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        # GPT-2's Conv1D stores weights as [in_features, out_features]
+        for name, shape in (("ln_1.weight", (d,)), ("ln_1.bias", (d,)),
+                            ("attn.c_attn.weight", (d, 3 * d)), ("attn.c_attn.bias", (3 * d,)),
+                            ("attn.c_proj.weight", (d, d)), ("attn.c_proj.bias", (d,)),
+                            ("ln_2.weight", (d,)), ("ln_2.bias", (d,)),
+                            ("mlp.c_fc.weight", (d, inner)), ("mlp.c_fc.bias", (inner,)),
+                            ("mlp.c_proj.weight", (inner, d)), ("mlp.c_proj.bias", (d,))):
+            shapes.append((p + name, shape))
+    shapes += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    if not c.get("tie_word_embeddings", True):
+        shapes.append(("lm_head.weight", (vocab, d)))
+    return shapes
+
+
+def load_config(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path!r}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config: {path!r} is not valid JSON: {e}") from None
