@@ -82,7 +82,8 @@ def case(preset, options, rank, world, tmp):
             "step_count": (opt.step_count, opt2.step_count)}
 
 
-CASES = [("8bit", {}), ("4bit", {}), ("bf16w-4bit-lean", {"release_gradients": True}), ("4bit", {"release_gradients": True})]
+CASES = [("8bit", {}), ("4bit", {}), ("bf16w-4bit-lean", {"release_gradients": True}), ("4bit", {"release_gradients": True}),
+         ("bf16w-4bit-lean-offload", {"release_gradients": True})]  # the capped mode: every shard's state on the host
 
 
 def job(rank, world, tmp):

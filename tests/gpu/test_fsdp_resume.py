@@ -1,7 +1,7 @@
 """FSDP2 + DCP resume on 2 GPUs (NCCL), fused path: a run saved with DCP after 10 steps and resumed
 into a fresh model and optimizer (which had trained other steps) continues bit for bit like the
-uninterrupted run, for `8bit`, `4bit` and the lean preset with gradient release (skipped with fewer
-than 2 GPUs)."""
+uninterrupted run, for `8bit`, `4bit`, the lean preset with gradient release and its offloaded form
+(moments and correction of every shard in host memory; skipped with fewer than 2 GPUs)."""
 import os
 import sys
 
@@ -18,7 +18,7 @@ def test_fsdp2_dcp_resume_is_bit_identical_for_every_preset(tmp_path):
     import fsdp_resume_job
     mp.spawn(fsdp_resume_job.job, args=(2, str(tmp_path)), nprocs=2, join=True)
     out = torch.load(tmp_path / "fsdp_resume.pt", weights_only=False)
-    assert set(out) == {"8bit", "4bit", "bf16w-4bit-lean+release", "4bit+release"}
+    assert set(out) == {"8bit", "4bit", "bf16w-4bit-lean+release", "4bit+release", "bf16w-4bit-lean-offload+release"}
     for tag, r in out.items():
         assert r["differing_state"] == [], (tag, r)  # DCP brought back every state word
         assert r["fused_first"], (tag, r)
