@@ -5,6 +5,14 @@ torch.optim.AdamW(fused=True) under the same FSDP2 setup.
 
 A Llama-shaped model from a config (hidden 2048, vocab 32000), each decoder layer and the root
 wrapped with ``fully_shard``, fp32 master weights, bf16 autocast, random tokens.
+
+    torchrun --nproc_per_node 2 tools/fsdp_bench.py --model 8b --batch 1 --seq 2048 \
+        --optimizers bf16w-4bit-lean,bf16w-4bit-lean-offload
+
+``--optimizers`` takes benchmark contender names instead (``optstate bench --peak-bytes``'s:
+``adamw``, presets with ``+release``/``+offload``/``+budget<bytes>``; ``bf16w-*`` presets get bf16
+weights and gradient release, clipping at 1.0); ``--model`` a named shape (``0.95b``, ``8b``),
+built with activation checkpointing.
 """
 import argparse
 import os
@@ -79,6 +87,8 @@ def main():
     parser.add_argument("--profile", default=None,
                         help="write a torch.profiler table of 3 optstate int8 iterations (rank 0) to this file")
     parser.add_argument("--only", default=None, help="comma-separated configuration labels to run (default: all)")
+    parser.add_argument("--optimizers", default=None, help="contender names (see the module doc) instead of the table")
+    parser.add_argument("--model", default=None, help="a named Llama shape for --optimizers (default: 0.95b)")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -96,24 +106,38 @@ def main():
     }
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "torch AdamW fused"}
+    shape = None
+    if args.optimizers:
+        from optstate_core.apps import contenders
+        from optstate_core.apps.llama import NAMED_SHAPES
+        shape = NAMED_SHAPES[args.model or "0.95b"]
+        configs = {name: contenders.parse(name) for name in args.optimizers.split(",")}
+    vocab = shape.vocab if shape is not None else 32000
     rows = []
     for label, build in configs.items():
         torch.manual_seed(0)
-        model = build_model(2048, args.layers, 32000, 5632, device)
+        if shape is not None:  # a contender: its weights dtype, checkpointing, its own build
+            from optstate_core.apps.llama import build_model as build_named
+            model = build_named(shape, device, build.weights, checkpointing=True)
+        else:
+            model = build_model(2048, args.layers, 32000, 5632, device)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
         params = list(model.parameters())
         n_local = sum(p._local_tensor.numel() for p in params)
         n_global = sum(p.numel() for p in params)
-        opt = build(params)
-        tokens = torch.randint(0, 32000, (args.batch, args.seq), device=device,
+        if shape is not None:
+            opt = contenders.build(build, params, model, max_grad_norm=1.0 if build.release else None)
+        else:
+            opt = build(params)
+        tokens = torch.randint(0, vocab, (args.batch, args.seq), device=device,
                                generator=torch.Generator(device).manual_seed(rank))
         iters, steps, hosts, after_backward = [], [], [], []
         for i in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=shape is None or build.autocast):
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             if i >= args.warmup:  # what backward leaves for step(): gradients (none if released), leftovers
@@ -132,7 +156,7 @@ def main():
                 hosts.append((h1 - h0) * 1e3)
         if args.profile and label == "optstate int8 resident":
             profile_iterations(model, opt, tokens, args.profile, rank)
-        held = state_bytes(opt)
+        held = state_bytes(opt) if hasattr(opt, "state") else 0
         peak = torch.cuda.max_memory_allocated() / 2**30
         rows.append((label, statistics.median(steps), statistics.median(hosts), statistics.median(iters), held,
                      held * 8 / n_local, peak, max(after_backward), loss.item()))
@@ -142,9 +166,11 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:
-        ref_step, ref_iter = rows[0][1], rows[0][3]
+        ref_step, ref_iter = rows[0][1] or 1e-9, rows[0][3]
+        how = "bf16 autocast" if shape is None else f"shape {args.model or '0.95b'}, activation checkpointing, " \
+            "each row in its contender's weights dtype, ratios to the first row"
         print(f"\nFSDP2 on {world} x {torch.cuda.get_device_name()}: Llama-shaped {n_global / 1e9:.3f}B params "
-              f"({n_local / 1e9:.3f}B per rank), batch {args.batch}x{args.seq} per rank, bf16 autocast, "
+              f"({n_local / 1e9:.3f}B per rank), batch {args.batch}x{args.seq} per rank, {how}, "
               f"torch {torch.__version__}")
         print("| configuration | optimizer step ms | x fused | step() host ms | iteration ms | x fused "
               "| optimizer GPU MiB per rank | bits/param (local) | peak GiB | allocated after backward GiB | last loss |")
