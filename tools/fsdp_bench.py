@@ -15,6 +15,7 @@ weights and gradient release, clipping at 1.0); ``--model`` a named shape (``0.9
 built with activation checkpointing.
 """
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -162,8 +163,9 @@ def main():
                      held * 8 / n_local, peak, max(after_backward), loss.item()))
         if hasattr(opt, "close"):
             opt.close()
-        del model, opt, params
-        torch.cuda.empty_cache()
+        del model, opt, params, loss
+        gc.collect()  # FSDP2's modules and hooks form reference cycles: without a collection the previous
+        torch.cuda.empty_cache()  # configuration's weights stayed allocated into the next one's rows
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:
         ref_step, ref_iter = rows[0][1] or 1e-9, rows[0][3]
