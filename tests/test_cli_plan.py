@@ -221,3 +221,39 @@ def test_plan_params_release_frees_all_but_a_batch():
     assert lean.grads == plan.RELEASE_BUCKET_BYTES + 2 * 4096 * 4096 and lean.fits
     with pytest.raises(ValueError, match="--pcie-gbps"):
         plan.make_plan(shapes, 10**9, pcie_bytes_per_s=0)
+
+
+def test_plan_fsdp2_per_gpu():
+    """--gpus N: weights, gradients and state per rank, plus FSDP2's gathered units (the root for
+    the whole step, the largest layer twice) and the unsharded gradients of the larger of the two."""
+    shapes = plan.config_shapes(TINY_LLAMA)
+    units = plan.fsdp_units(shapes)
+    layer = 2 * 4096 + 2 * 2048 + 3 * 8192 + 2 * 64
+    assert units == {"model.layers.0": layer, "model.layers.1": layer, "root": 2 * 64000 + 64}
+    one = {r.name: r for r in plan.make_plan(shapes, 10**9, "adamw", ["4bit"], "bf16", release_gradients=False).rows}
+    two = {r.name: r for r in plan.make_plan(shapes, 10**9, "adamw", ["4bit"], "bf16", gpus=2).rows}
+    root = 2 * 64000 + 64
+    assert two["4bit"].state.device == -(-one["4bit"].state.device // 2)
+    assert two["4bit"].weights == N_PARAMS + (root + 2 * layer) * 2 + root * 2  # bf16: half the weights, buffers
+    assert two["4bit"].grads == N_PARAMS  # half of the bf16 gradients
+    assert two["4bit"].bits_per_param == one["4bit"].bits_per_param  # the state per parameter is unchanged
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="--gpus"):
+            plan.make_plan(shapes, 10**9, gpus=bad)
+    assert [u for u in plan.fsdp_units(plan.approximate_shapes(3 * 4096 * 4096)).values()] == [4096 * 4096] * 3
+
+
+def test_cli_plan_70b_on_four_gpus(tmp_path, capsys):
+    config = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert cli.main(["plan", "--config", str(path), "--gpu-memory", "80GB", "--weights-dtype", "bf16",
+                     "--activations", "6GB", "--release-gradients", "--gpus", "4",
+                     "--presets", "bf16w-4bit-lean,bf16w-4bit-lean-offload"]) == 0
+    out = capsys.readouterr().out
+    assert "70,553,706,496 parameters" in out and "FSDP2 over 4 GPUs" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert _fits(rows["bf16w-4bit-lean-offload"]) == "yes" and _fits(rows["bf16w-4bit-lean"]) == "no"
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--config", str(path), "--gpus", "0"])
+    assert "--gpus" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -134,6 +135,7 @@ class Plan:
     weights_dtype: str = "fp32"
     release_gradients: bool = False
     pcie_bytes_per_s: float = PCIE_BYTES_PER_S
+    gpus: int = 1  # FSDP2 ranks: every figure is per GPU
 
     def best(self) -> Optional[PlanRow]:
         """The row that fits with the least state in host memory (then the fewest GPU bytes)."""
@@ -144,7 +146,8 @@ class Plan:
 def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", presets: Sequence[str] = (),
               weights_dtype: str = "fp32", grads_dtype: Optional[str] = None, activations: int = 0,
               source: str = "", release_gradients: bool = False, staging_bytes: int = STAGING_BYTES,
-              release_bucket_bytes: int = RELEASE_BUCKET_BYTES, pcie_bytes_per_s: float = PCIE_BYTES_PER_S) -> Plan:
+              release_bucket_bytes: int = RELEASE_BUCKET_BYTES, pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
+              gpus: int = 1) -> Plan:
     """Per preset (and for the unwrapped optimizer first): state on GPU and host, the GPU total
     (weights + grads + state on GPU + activations + the staging ring if state is on the host)
     and whether it fits in ``gpu_memory``. Master-weight presets (``bf16w-*``) hold bf16 weights
@@ -152,7 +155,11 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     gradients count as one release batch (``release_bucket_bytes`` plus the largest parameter's
     gradient; the unwrapped optimizer keeps them all). When ``bf16w-4bit-lean`` does not fit but
     the GPU has room beside its weights, a row with ``gpu_budget`` (state resident up to what is
-    left, the rest streamed) is added."""
+    left, the rest streamed) is added. ``gpus`` > 1: FSDP2 over that many GPUs, every figure per
+    GPU: weights, gradients and state divided by the ranks, plus an estimate of FSDP2's buffers
+    (units: :func:`fsdp_units`): the root unit's weights gathered for the whole step, the largest
+    layer's twice (the current and the prefetched one), and the larger of the two's unsharded
+    gradients before their reduce-scatter."""
     from ..metrics import bits_per_param
     from ..presets import has_master_weights
     if optimizer not in OPTIMIZER_STATES:
@@ -162,28 +169,39 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
             raise ValueError(f"{arg} must be one of {', '.join(DTYPES)}, got {value!r}")
     if not pcie_bytes_per_s > 0:
         raise ValueError(f"--pcie-gbps must be a positive number, got {pcie_bytes_per_s / 1e9!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus must be an integer >= 1, got {gpus!r}")
     wdtype, gdtype = DTYPES[weights_dtype], DTYPES[grads_dtype or weights_dtype]
     n = sum(math.prod(s) for _, s in shapes)
     weights = n * _itemsize(wdtype)
     grads = n * _itemsize(gdtype)
     rows = []
     largest = max((math.prod(s) for _, s in shapes), default=0)
+    units = fsdp_units(shapes) if gpus > 1 else {}
+    root = units.pop("root", 0)  # FSDP2 keeps the root's parameters gathered from forward to backward's end
+    layer = max(units.values(), default=0)  # the largest other unit: gathered twice (current, prefetched)
 
-    def released(itemsize: int) -> int:  # gradient bytes alive at once when released in backward
-        return min(n * itemsize, release_bucket_bytes + largest * itemsize)
+    def released(itemsize: int) -> int:  # gradient bytes alive at once when released in backward (per rank)
+        return min(-(-n // gpus) * itemsize, release_bucket_bytes + -(-largest // gpus) * itemsize)
 
     def row(preset, st, budget=None):
         w, g = weights, grads
         if has_master_weights(preset):
             w, g = 2 * n, 2 * n
+        wsize, gsize = (w // n, g // n) if n else (0, 0)
+        w, g = -(-w // gpus), -(-g // gpus)
         if release_gradients and preset is not None:
-            g = released(g // n if n else 0)
+            g = released(gsize)
+        bits = bits_per_param(st.total, n)
+        if gpus > 1:
+            st = _per_rank(st, gpus)
+            w += (root + 2 * layer) * wsize + max(root, layer) * gsize  # FSDP2's gathered units, unsharded grads
         staging = min(staging_bytes, budget // 2) if budget is not None else (staging_bytes if st.host else 0)
         total = w + g + st.device + activations + staging
         name = f"torch {optimizer}" if preset is None else preset
         if budget is not None:
             name = f"{preset} + gpu_budget={budget / 2**30:.2f}GiB"
-        return PlanRow(name, st, total, total <= gpu_memory, bits_per_param(st.total, n), w, g, staging, budget)
+        return PlanRow(name, st, total, total <= gpu_memory, bits, w, g, staging, budget)
 
     for preset in [None, *presets]:
         rows.append(row(preset, state_bytes(shapes, preset, optimizer, wdtype)))
@@ -191,11 +209,30 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     if resident is not None and not resident.fits:
         # what the state may take on the GPU, keeping BUDGET_MARGIN of the card for the allocator
         room = int(gpu_memory * (1 - BUDGET_MARGIN)) - (resident.total_gpu - resident.state.device)
-        if room > 2 * 2**20:
-            st = budget_state_bytes(shapes, BUDGET_PRESET, optimizer, room)
+        if room > 2 * 2**20:  # every rank keeps its shards' state resident in the same order
+            st = budget_state_bytes(shapes, BUDGET_PRESET, optimizer, room * gpus)
             rows.append(row(BUDGET_PRESET, st, budget=room))
     return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source, weights_dtype,
-                release_gradients, pcie_bytes_per_s)
+                release_gradients, pcie_bytes_per_s, gpus)
+
+
+def fsdp_units(shapes: NamedShapes) -> Dict[str, int]:
+    """Elements per FSDP2 unit, as ``fully_shard`` is applied to each transformer layer and the
+    root: a parameter named ``...layers.<i>.`` or ``...h.<i>.`` belongs to its layer, one of
+    ``--params``' approximated matrices is a unit of its own, the rest (embeddings, final norm,
+    head) to the root."""
+    units: Dict[str, int] = {}
+    for name, shape in shapes:
+        m = re.match(r"^(.*?\.(?:layers|h)\.\d+)\.", name)
+        key = m.group(1) if m else (name if name.startswith("params.") else "root")
+        units[key] = units.get(key, 0) + math.prod(shape)
+    return units
+
+
+def _per_rank(st: StateBytes, gpus: int) -> StateBytes:
+    """One rank's share of the state (every tensor sharded over the ranks)."""
+    return StateBytes(-(-st.device // gpus), -(-st.host // gpus), {k: -(-v // gpus) for k, v in st.by_codec.items()},
+                      -(-st.correction_device // gpus), -(-st.correction_host // gpus))
 
 
 def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget: int) -> StateBytes:
@@ -228,9 +265,13 @@ def gib(n: int) -> str:
 
 def format_plan(plan: Plan) -> str:
     released = " (released in backward: a batch at a time)" if plan.release_gradients else ""
-    lines = [f"{plan.source}: {plan.n_params:,} parameters ({plan.n_params / 1e9:.3f}B); optimizer {plan.optimizer}",
-             f"weights {gib(plan.weights)} + grads {gib(plan.grads)}{released} + activations {gib(plan.activations)} "
-             f"+ optimizer state on the GPU; GPU memory {plan.gpu_memory / 1e9:.1f} GB = {gib(plan.gpu_memory)}",
+    sharded = f"; FSDP2 over {plan.gpus} GPUs, every figure per GPU (FSDP2's all-gather and " \
+        "reduce-scatter buffers in 'weights + grads')" if plan.gpus > 1 else ""
+    lines = [f"{plan.source}: {plan.n_params:,} parameters ({plan.n_params / 1e9:.3f}B); optimizer {plan.optimizer}"
+             + sharded,
+             f"weights {gib(plan.weights)} + grads {gib(plan.grads)}{released} in all + activations "
+             f"{gib(plan.activations)} per GPU + optimizer state on the GPU; GPU memory {plan.gpu_memory / 1e9:.1f} GB "
+             f"= {gib(plan.gpu_memory)}",
              "",
              "| preset | weights + grads | master correction | state on GPU | state on host | bits/param | "
              "GPU bytes/param | total on GPU | fits | host<->GPU per step (each way) | copy time per step |",
@@ -238,7 +279,7 @@ def format_plan(plan: Plan) -> str:
     for r in plan.rows:
         corr = f"{gib(r.state.correction_device + r.state.correction_host)}" + (
             " (host)" if r.state.correction_host and not r.state.correction_device else "")
-        per_param = (r.total_gpu - plan.activations) / plan.n_params if plan.n_params else 0.0
+        per_param = (r.total_gpu - plan.activations) * plan.gpus / plan.n_params if plan.n_params else 0.0
         moved = f"{gib(r.pcie_bytes)}" if r.pcie_bytes else "0"
         copy = f"{r.pcie_bytes / plan.pcie_bytes_per_s:.2f} s" if r.pcie_bytes else ""
         lines.append(f"| {r.name} | {gib(r.weights + r.grads)} | {corr} | {gib(r.state.device)} | "
@@ -285,8 +326,9 @@ def _hints(plan: Plan) -> List[str]:
     smallest = min((r for r in plan.rows if not r.name.startswith("torch ")), key=lambda r: r.total_gpu, default=None)
     if smallest is not None:
         short = smallest.total_gpu - plan.gpu_memory
-        out.append(f"the smallest row ({smallest.name}) needs {gib(short)} more than the GPU has: shard the model "
-                   "over GPUs with FSDP2 (docs/distributed.md)")
+        more = "more GPUs (--gpus)" if plan.gpus > 1 else "shard the model over GPUs with FSDP2 (--gpus N)"
+        out.append(f"the smallest row ({smallest.name}) needs {gib(short)} more than the GPU has: {more} "
+                   "(docs/distributed.md)")
     return out
 
 
@@ -311,6 +353,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--release-gradients", action="store_true",
                         help="every optstate preset frees each gradient in backward (wrap(release_gradients=True)): "
                              "count one release batch of gradients (256 MiB plus the largest parameter's)")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="FSDP2 over this many GPUs (each transformer layer and the root fully_shard-ed): "
+                             "every figure per GPU (default: %(default)s)")
     parser.add_argument("--pcie-gbps", type=float, default=PCIE_BYTES_PER_S / 1e9,
                         help="host<->GPU GB/s each way with both directions busy, for the copy time of rows with "
                              "state in host memory (default: %(default)s, one H100's measured duplex rate)")
@@ -333,7 +378,7 @@ def plan_from_args(args) -> Plan:
         shapes, source = approximate_shapes(n), f"--params {args.params} (approximate shapes)"
     return make_plan(shapes, gpu, args.optimizer, parse_presets(args.presets), args.weights_dtype,
                      args.grads_dtype, activations, source, release_gradients=args.release_gradients,
-                     pcie_bytes_per_s=args.pcie_gbps * 1e9)
+                     pcie_bytes_per_s=args.pcie_gbps * 1e9, gpus=args.gpus)
 
 
 def run(args) -> int:
