@@ -257,3 +257,24 @@ def test_cli_plan_70b_on_four_gpus(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--config", str(path), "--gpus", "0"])
     assert "--gpus" in capsys.readouterr().err
+
+
+def test_plan_estimates_activations_from_a_batch(tmp_path, capsys):
+    """--batch BxS with a Llama --config: saved layer inputs, one recomputed layer, the logits."""
+    tokens = 2 * 128
+    want = tokens * (2 * 64 * 2 + (10 * 64 + 8 * 128) * 2 + 10 * 1000)
+    assert plan.checkpointed_activation_bytes(TINY_LLAMA, 2, 128) == want
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    assert cli.main(["plan", "--config", str(path), "--batch", "2x128", "--presets", "8bit"]) == 0
+    assert f"activations {want / 2**30:.2f} GiB per GPU" in capsys.readouterr().out
+    assert plan.parse_batch("4X2048") == (4, 2048)
+    for argv, message in ((["--batch", "2x0"], "--batch must be"), (["--batch", "2x8", "--activations", "1GB"], "not both")):
+        with pytest.raises(SystemExit):
+            cli.main(["plan", "--config", str(path), *argv])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--params", "1B", "--batch", "1x8"])
+    assert "--batch needs --config" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--activations instead"):
+        plan.checkpointed_activation_bytes({"model_type": "gpt2", "n_embd": 64}, 1, 8)

@@ -139,3 +139,31 @@ def load_config(path: str) -> dict:
         raise ValueError(f"--config: cannot read {path!r}: {e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--config: {path!r} is not valid JSON: {e}") from None
+
+
+def checkpointed_activation_bytes(config: dict, batch: int, seq: int) -> int:
+    """An estimate of a Llama-family causal LM's activation memory with activation checkpointing
+    (one checkpoint per decoder layer), bf16 compute: every layer's saved input (``b*s*h`` bf16),
+    one layer recomputed in backward (``b*s*(10h + 8i)`` bf16 values: attention and SwiGLU
+    intermediates and their gradients) and the logits (bf16, their fp32 copy for the loss and
+    its fp32 gradient: ``10*b*s*V`` bytes). The constants 10 and 8 fit one measurement: a
+    Llama-3-8B shape at 1x2048 took 3.56 GiB (BENCHMARKS.md section 23); measure your own run
+    (``optstate bench --peak-bytes``) before relying on it."""
+    if "text_config" in config and "hidden_size" not in config:
+        config = config["text_config"]
+    try:
+        h, i = int(config["hidden_size"]), int(config["intermediate_size"])
+        layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("--batch: the activation estimate needs a Llama-family --config (hidden_size, "
+                         "intermediate_size, num_hidden_layers, vocab_size); give --activations instead") from None
+    tokens = batch * seq
+    return tokens * (layers * h * 2 + (10 * h + 8 * i) * 2 + 10 * vocab)
+
+
+def parse_batch(text: str) -> Tuple[int, int]:
+    """``"4x2048"`` -> (4, 2048): sequences per GPU and tokens per sequence."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", str(text))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--batch must be sequences x tokens per GPU, such as 1x2048, got {text!r}")
+    return int(m.group(1)), int(m.group(2))

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .model_shapes import (APPROX_ROWS, NamedShapes, approximate_shapes, config_shapes,  # noqa: F401
-                           load_config, parse_count)
+from .model_shapes import (APPROX_ROWS, NamedShapes, approximate_shapes, checkpointed_activation_bytes,  # noqa: F401
+                           config_shapes, load_config, parse_batch, parse_count)
 
 log = logging.getLogger("optstate.plan")
 
@@ -359,9 +359,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pcie-gbps", type=float, default=PCIE_BYTES_PER_S / 1e9,
                         help="host<->GPU GB/s each way with both directions busy, for the copy time of rows with "
                              "state in host memory (default: %(default)s, one H100's measured duplex rate)")
-    parser.add_argument("--activations", default="0",
+    parser.add_argument("--activations", default=None,
                         help="activation memory at your batch size, e.g. 10GB: measure it or estimate it "
-                             "(default: 0)")
+                             "(default: 0, or the --batch estimate)")
+    parser.add_argument("--batch", default=None,
+                        help="sequences x tokens per GPU, e.g. 1x2048, with --config (Llama family): estimate the "
+                             "activations with activation checkpointing instead of giving --activations")
     parser.add_argument("--presets", default=",".join(p for p in PRESETS if p != "default"),
                         help="comma-separated presets to show (default: %(default)s)")
 
@@ -370,9 +373,19 @@ def plan_from_args(args) -> Plan:
     from .demo import parse_presets
     from ..state.units import parse_bytes
     gpu = parse_bytes(args.gpu_memory, "--gpu-memory")
-    activations = 0 if str(args.activations).strip() in ("0", "") else parse_bytes(args.activations, "--activations")
+    activations = 0 if str(args.activations or 0).strip() in ("0", "") else \
+        parse_bytes(args.activations, "--activations")
+    if args.batch is not None and args.activations is not None:
+        raise ValueError("--batch estimates the activations: give --batch or --activations, not both")
+    if args.batch is not None and not args.config:
+        raise ValueError("--batch needs --config (the activation estimate uses the model's shapes)")
     if args.config:
-        shapes, source = config_shapes(load_config(args.config)), args.config
+        config = load_config(args.config)
+        shapes, source = config_shapes(config), args.config
+        if args.batch is not None:
+            batch, seq = parse_batch(args.batch)
+            activations = checkpointed_activation_bytes(config, batch, seq)
+            source += f", batch {batch}x{seq} per GPU (activations estimated with checkpointing)"
     else:
         n = parse_count(args.params)
         shapes, source = approximate_shapes(n), f"--params {args.params} (approximate shapes)"
