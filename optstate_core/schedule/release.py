@@ -19,9 +19,10 @@ are released, so ``clip_mode`` chooses:
   exactly as global clipping would; otherwise per tensor (the rule that stayed closest to global
   clipping when the step spans several batches: BENCHMARKS.md sections 22 and 23); under FSDP2,
   ``"previous"``;
-* ``"previous"``: the exact global norm when one batch holds the step; otherwise every gradient of step t is scaled by
-  ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}`` is the previous step's
-  global norm (computed during its release pass, pre-clip); the first step clips per tensor.
+* ``"previous"``: the exact global norm when one batch holds the step; otherwise every gradient
+  of step t is scaled by ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}``
+  is the previous step's global norm (computed during its release pass, pre-clip); the first
+  step clips per tensor.
   Same direction as global clipping, one step late: a sudden spike passes unclipped once;
 * ``"per_tensor"``: each gradient is scaled so that its own norm is at most ``max_grad_norm``
   (no lag, but the global norm may reach ``sqrt(n_tensors) * max_grad_norm``).
