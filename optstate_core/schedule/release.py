@@ -35,7 +35,7 @@ next forward's all-gather): each rank updates its local shard. Norms are taken o
 shards; the global norm (``last_grad_norm`` and the ``"previous"`` factor) sums their squares
 over the ranks in one all-reduce of one number per step, at the end of ``step()``. Clipping
 that needs a tensor's own norm before that (``"per_tensor"``, and the first step of
-``"previous"``) clips each local shard to ``max_grad_norm`` (without a collective per
+``"previous"`` and ``"auto"``) clips each local shard to ``max_grad_norm`` (without a collective per
 parameter). NaN/inf skipping is per 256-element block of the local shard (fused kernels) or per
 parameter across ranks (other paths), as without release.
 """
