@@ -9,6 +9,9 @@ wrapped with ``fully_shard``, fp32 master weights, bf16 autocast, random tokens.
     torchrun --nproc_per_node 2 tools/fsdp_bench.py --model 8b --batch 1 --seq 2048 \
         --optimizers bf16w-4bit-lean,bf16w-4bit-lean-offload
 
+Memory figures of the rows after the first carry the previous configuration's weights (torch's
+FSDP2 keeps a trained model referenced): run one configuration per invocation to compare memory.
+
 ``--optimizers`` takes benchmark contender names instead (``optstate bench --peak-bytes``'s:
 ``adamw``, presets with ``+release``/``+offload``/``+budget<bytes>``; ``bf16w-*`` presets get bf16
 weights and gradient release, clipping at 1.0); ``--model`` a named shape (``0.95b``, ``8b``),
@@ -164,8 +167,8 @@ def main():
         if hasattr(opt, "close"):
             opt.close()
         del model, opt, params, loss
-        gc.collect()  # FSDP2's modules and hooks form reference cycles: without a collection the previous
-        torch.cuda.empty_cache()  # configuration's weights stayed allocated into the next one's rows
+        gc.collect()  # torch's FSDP2 still keeps a trained model referenced after this (BENCHMARKS.md section
+        torch.cuda.empty_cache()  # 23): the next rows carry its weights, so compare memory one configuration a run
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:
         ref_step, ref_iter = rows[0][1] or 1e-9, rows[0][3]
