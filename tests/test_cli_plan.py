@@ -278,3 +278,13 @@ def test_plan_estimates_activations_from_a_batch(tmp_path, capsys):
     assert "--batch needs --config" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--activations instead"):
         plan.checkpointed_activation_bytes({"model_type": "gpt2", "n_embd": 64}, 1, 8)
+
+
+def test_plan_pick_keeps_masters_for_bf16_weights():
+    """With bf16 weights the pick prefers a row with fp32 masters (AdamW's trajectory) over one that
+    updates the bf16 weights directly, even when that one holds less in host memory."""
+    shapes = plan.config_shapes(TINY_LLAMA)
+    bf16 = plan.make_plan(shapes, 10**9, "adamw", ["4bit", "bf16w-4bit-lean-offload"], "bf16")
+    assert bf16.best().name == "bf16w-4bit-lean-offload"
+    fp32 = plan.make_plan(shapes, 10**9, "adamw", ["4bit", "bf16w-4bit-lean-offload"], "fp32")
+    assert fp32.best().name == "4bit"  # no host state, and fp32 weights are their own masters

@@ -138,9 +138,14 @@ class Plan:
     gpus: int = 1  # FSDP2 ranks: every figure is per GPU
 
     def best(self) -> Optional[PlanRow]:
-        """The row that fits with the least state in host memory (then the fewest GPU bytes)."""
+        """The row that fits with the least state in host memory (then the fewest GPU bytes); with
+        bf16 weights, rows that keep fp32 master weights (``bf16w-*``) first: the others update
+        the bf16 weights themselves, which is not AdamW's trajectory."""
+        from ..presets import has_master_weights
         fitting = [r for r in self.rows if r.fits and not r.name.startswith("torch ")]
-        return min(fitting, key=lambda r: (r.state.host, r.total_gpu), default=None)
+        lossy = (lambda r: not has_master_weights(r.name.split(" + ")[0])) if self.weights_dtype == "bf16" else \
+            (lambda r: False)
+        return min(fitting, key=lambda r: (lossy(r), r.state.host, r.total_gpu), default=None)
 
 
 def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", presets: Sequence[str] = (),
