@@ -84,7 +84,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
             integration that feeds a better signal (window mean, all-reduced) turns this off.
         release_gradients: on the micro-batch that ends in a step (see :meth:`set_step_boundary`),
             update each parameter in its post-accumulate-grad hook and free its gradient at
-            once; ``step()`` then only advances the step. One process, no ``gpu_budget``, no
+            once; ``step()`` then only advances the step. One process or FSDP2, no
             GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.schedule.release`.
         release_bucket_bytes: released gradients wait until this many bytes of them are pending
             (and at the end of backward), then one launch updates them all (default 256MiB; 0:
