@@ -123,7 +123,8 @@ KEYS: Dict[str, Key] = {
                        "wrap"),
     "chunk_size": Key(_int(1), "at most this many tiles per chunk", "wrap"),
     "seed": Key(_int(None), "seed of the stochastic-rounding hash", "wrap"),
-    "gpu_budget": Key(_size, "device bytes that offloaded state may occupy (pass-through to the core)", "wrap"),
+    "gpu_budget": Key(_size, "device bytes of optimizer state kept resident; the rest streams from host memory "
+                            "(pass-through to the core; works with release_gradients)", "wrap"),
     "prefetch_during_backward": Key(_bool, "fetch offloaded state during the backward that ends in a step "
                                            "(pass-through to the core)", "wrap"),
     "release_gradients": Key(_bool, "update each parameter in backward and free its gradient; the Trainer's "
