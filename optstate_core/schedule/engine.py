@@ -162,20 +162,12 @@ class Engine:
         works = collect(self.param_infos(), self.state)
         self.placement.assign_residency(works, self.step_count)
         routes = self.router.route(works)
-        fused, passthrough, cpu_plans, tiled = routes.fused, routes.passthrough, routes.cpu, routes.tiled
+        passthrough = routes.passthrough
         on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
         self._check_in_backward([w.key for w in passthrough] if on_device and passthrough[0].key.is_cuda else [])
-        checked = (tiled if on_device else passthrough + tiled) + cpu_plans  # the fused paths skip on the device
-        if self.skip_nonfinite and checked:
-            kept = {id(w) for w in self._drop_nonfinite(checked)}
-            passthrough = [w for w in passthrough if on_device or id(w) in kept]
-            tiled = [w for w in tiled if id(w) in kept]
-            cpu_plans = [c for c in cpu_plans if id(c) in kept]
+        items = self.run_unfused(routes, on_device)
+        fused, passthrough, cpu_plans, tiled = routes.fused, routes.passthrough, routes.cpu, routes.tiled
         buckets = self.fused.build(fused) if fused else []
-        items = [(w.key, w.state, w.info.group_index) for w in passthrough]
-        self._run_cpu_and_passthrough(cpu_plans, items, on_device)
-        if tiled:
-            self.tiled.run(tiled, update=True)
         cacheable = not tiled and not any(b.first for b in buckets) and all(w.state for w in passthrough) \
             and len(fused) + len(passthrough) + len(cpu_plans) == len(works)
         params = [k for b in buckets for k in b.keys] + [p for p, _, _ in items] + [c.key for c in cpu_plans]
@@ -234,6 +226,24 @@ class Engine:
             return None  # rare: the full path skips and reports the parameters
         self.metrics.nonfinite_skipped = 0
         return buckets, items, on_device, cpu_plans
+
+    def run_unfused(self, routes, on_device: bool = False):
+        """Step the routes' parameters that the kernels do not take, for ``step()`` and gradient
+        release alike: drop those with non-finite gradients (checked on the host; the fused paths,
+        and passthrough when ``on_device``, skip on the device), then the CPU fast path, the
+        passthrough parameters and the tiled ones. ``routes`` keeps only what was stepped; returns
+        the passthrough items ``(param, state, group index)``."""
+        checked = (routes.tiled if on_device else routes.passthrough + routes.tiled) + routes.cpu
+        if self.skip_nonfinite and checked:
+            kept = {id(w) for w in self._drop_nonfinite(checked)}
+            routes.passthrough = [w for w in routes.passthrough if on_device or id(w) in kept]
+            routes.tiled = [w for w in routes.tiled if id(w) in kept]
+            routes.cpu = [c for c in routes.cpu if id(c) in kept]
+        items = [(w.key, w.state, w.info.group_index) for w in routes.passthrough]
+        self._run_cpu_and_passthrough(routes.cpu, items, on_device)
+        if routes.tiled:
+            self.tiled.run(routes.tiled, update=True)
+        return items
 
     def _run_cpu_and_passthrough(self, cpu_plans, items, on_device: bool) -> None:
         """The CPU fast path's parameters, then the passthrough ones (timed): the CPU path first,

@@ -48,9 +48,8 @@ import torch
 from torch.autograd import Variable
 
 from ..state.dtensor import is_dtensor, local
-from ..step.cpu_step import run_cpu_plans
 from ..step.gradients import collect
-from ..step.inner import group_signature, run_inner
+from ..step.inner import group_signature
 
 log = logging.getLogger("optstate")
 
@@ -169,20 +168,12 @@ class GradientRelease:
             return
         engine.assign_residency(only_new=True)
         routes = engine.router.route(collect(items, engine.state))
-        if engine.skip_nonfinite and (routes.passthrough or routes.cpu or routes.tiled):
-            kept = {id(w) for w in engine._drop_nonfinite(routes.passthrough + routes.cpu + routes.tiled)}
-            routes.passthrough, routes.cpu, routes.tiled = ([w for w in ws if id(w) in kept] for ws in (
-                routes.passthrough, routes.cpu, routes.tiled))
+        engine.run_unfused(routes)
         buckets = engine.fused.build(routes.fused) if routes.fused else []
         if buckets:
             engine.schedule.run(buckets)  # launched once: no longer a first step, so reusable
             if len(routes.fused) == len(items):
                 self._buckets[batch] = (buckets, [self._bucket_key(p) for p, _ in items])
-        run_cpu_plans(engine, routes.cpu)
-        if routes.passthrough:
-            run_inner(engine.inner, [(w.key, w.state, w.info.group_index) for w in routes.passthrough], engine.state)
-        if routes.tiled:
-            engine.tiled.run(routes.tiled, update=True)
         engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
 
     # -- the per-batch bucket cache ----------------------------------------------------------------
