@@ -173,19 +173,26 @@ class GradientRelease:
         if buckets:
             engine.schedule.run(buckets)  # launched once: no longer a first step, so reusable
             if len(routes.fused) == len(items):
-                self._buckets[batch] = (buckets, [self._bucket_key(p) for p, _ in items])
+                self._buckets[batch] = (buckets, self._bucket_keys(items))
         engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
 
     # -- the per-batch bucket cache ----------------------------------------------------------------
-    def _bucket_key(self, p):
-        """What a kept bucket depends on besides its state objects' identity (as the engine's
-        own plan cache: dtype, device, gradient form, group options, the policy's decisions)."""
-        engine, g = self.engine, p.grad
-        group = engine.inner.param_groups[self._info_of(p).group_index]
-        st = engine.state.get(p)
-        return (p.dtype, p.device, g.dtype, g.shape, g.layout, g.is_contiguous(), group_signature(group),
-                engine.policy.decision_key(engine.step_count),
-                engine.skip_nonfinite, id(st), tuple(map(id, st.values())) if st is not None else ())
+    def _bucket_keys(self, items) -> list:
+        """Per parameter of a batch, what its kept bucket depends on besides its state objects'
+        identity (as the engine's own plan cache: dtype, device, gradient form, group options, the
+        policy's decisions); the group signatures and the policy's key are taken once per batch."""
+        engine = self.engine
+        shared = (engine.policy.decision_key(engine.step_count), engine.skip_nonfinite)
+        groups = {}
+        keys = []
+        for p, info in items:
+            g, st = p.grad, engine.state.get(p)
+            sig = groups.get(info.group_index)
+            if sig is None:
+                sig = groups[info.group_index] = group_signature(engine.inner.param_groups[info.group_index])
+            keys.append((p.dtype, p.device, g.dtype, g.shape, g.layout, g.is_contiguous(), sig, shared, id(st),
+                         tuple(map(id, st.values())) if st is not None else ()))
+        return keys
 
     def _cached_buckets(self, batch: tuple, items):
         """The buckets kept for this batch of parameters if nothing they depend on changed."""
@@ -195,7 +202,7 @@ class GradientRelease:
         buckets, keys = entry
         state = self.engine.state
         if any(b.first or any(s is not state.get(k) for k, s in zip(b.keys, b.states)) for b in buckets) or \
-                any(key != self._bucket_key(p) for (p, _), key in zip(items, keys)):
+                keys != self._bucket_keys(items):
             del self._buckets[batch]
             return None
         return buckets
