@@ -65,6 +65,17 @@ class StateBytes:
     def total(self) -> int:
         return self.device + self.host
 
+    def add(self, key: str, codec: str, tier: str, nbytes: int) -> None:
+        """Count one state of ``nbytes`` in ``codec`` on ``tier`` ("host" or the device)."""
+        from ..state.master_weights import MASTER_KEY
+        on_host = tier == "host"
+        self.host += nbytes if on_host else 0
+        self.device += 0 if on_host else nbytes
+        if key == MASTER_KEY:
+            self.correction_host += nbytes if on_host else 0
+            self.correction_device += 0 if on_host else nbytes
+        self.by_codec[codec] = self.by_codec.get(codec, 0) + nbytes
+
 
 def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "adamw",
                 dtype: torch.dtype = torch.float32) -> StateBytes:
@@ -72,6 +83,16 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
     (parameter, state key); ``preset=None`` is the unwrapped torch optimizer (raw tensors). A
     preset with master weights sees bf16 parameters, keeps its state in fp32 and adds the
     ``master_correction`` state."""
+    out = StateBytes()
+    for entries in _param_states(shapes, preset, optimizer, dtype):
+        for key, codec, tier, nbytes in entries:
+            out.add(key, codec, tier, nbytes)
+    return out
+
+
+def _param_states(shapes: NamedShapes, preset: Optional[str], optimizer: str, dtype: torch.dtype):
+    """Per parameter, its states as the preset's policy stores them after warmup: a list of
+    ``(state key, codec name, tier, bytes)``."""
     from ..state.codecs import FP32Codec
     from ..state.codecs.base import slab_shape
     from ..state.master_weights import MASTER_KEY
@@ -81,27 +102,19 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
     master = has_master_weights(preset)
     if master:
         dtype = torch.float32
-    out = StateBytes()
+    keys = OPTIMIZER_STATES[optimizer] + ((MASTER_KEY,) if master else ())
     for index, (name, shape) in enumerate(shapes):
         info = ParamInfo(index, 0, tuple(shape), torch.bfloat16 if master else dtype, name)
         rows, cols = slab_shape(shape)
-        keys = OPTIMIZER_STATES[optimizer] + ((MASTER_KEY,) if master else ())
+        entries = []
         for key in keys:
             if policy is None:
                 codec, tier = FP32Codec(), "device"
             else:
                 codec = policy.codec_for(info, key, AFTER_WARMUP)
                 tier = policy.tier_for(info, key, AFTER_WARMUP)
-            nbytes = codec.nbytes(rows, cols, dtype)
-            if tier == "host":
-                out.host += nbytes
-            else:
-                out.device += nbytes
-            if key == MASTER_KEY:
-                out.correction_host += nbytes if tier == "host" else 0
-                out.correction_device += nbytes if tier != "host" else 0
-            out.by_codec[codec.name] = out.by_codec.get(codec.name, 0) + nbytes
-    return out
+            entries.append((key, codec.name, tier, codec.nbytes(rows, cols, dtype)))
+        yield entries
 
 
 @dataclass
@@ -219,6 +232,40 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
             rows.append(row(BUDGET_PRESET, st, budget=room))
     return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source, weights_dtype,
                 release_gradients, pcie_bytes_per_s, gpus)
+
+
+def fsdp_units(shapes: NamedShapes) -> Dict[str, int]:
+    """Elements per FSDP2 unit, as ``fully_shard`` is applied to each transformer layer and the
+    root: a parameter named ``...layers.<i>.`` or ``...h.<i>.`` belongs to its layer, one of
+    ``--params``' approximated matrices is a unit of its own, the rest (embeddings, final norm,
+    head) to the root."""
+    units: Dict[str, int] = {}
+    for name, shape in shapes:
+        m = re.match(r"^(.*?\.(?:layers|h)\.\d+)\.", name)
+        key = m.group(1) if m else (name if name.startswith("params.") else "root")
+        units[key] = units.get(key, 0) + math.prod(shape)
+    return units
+
+
+def _per_rank(st: StateBytes, gpus: int) -> StateBytes:
+    """One rank's share of the state (every tensor sharded over the ranks)."""
+    return StateBytes(-(-st.device // gpus), -(-st.host // gpus), {k: -(-v // gpus) for k, v in st.by_codec.items()},
+                      -(-st.correction_device // gpus), -(-st.correction_host // gpus))
+
+
+def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget: int) -> StateBytes:
+    """State bytes of ``preset`` under ``gpu_budget=budget``: as the optimizer assigns residency,
+    each parameter's state (moments and correction) stays on the GPU, in parameter order, while it
+    fits beside the staging ring (half the budget at most); the rest is in host memory."""
+    out = StateBytes()
+    room = budget - min(STAGING_BYTES, budget // 2)
+    for entries in _param_states(shapes, preset, optimizer, torch.float32):
+        need = sum(nbytes for *_, nbytes in entries)
+        tier = "device" if need <= room else "host"
+        room -= need if tier == "device" else 0
+        for key, codec, _, nbytes in entries:
+            out.add(key, codec, tier, nbytes)
+    return out
 
 
 def fsdp_units(shapes: NamedShapes) -> Dict[str, int]:
