@@ -268,45 +268,6 @@ def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget:
     return out
 
 
-def fsdp_units(shapes: NamedShapes) -> Dict[str, int]:
-    """Elements per FSDP2 unit, as ``fully_shard`` is applied to each transformer layer and the
-    root: a parameter named ``...layers.<i>.`` or ``...h.<i>.`` belongs to its layer, one of
-    ``--params``' approximated matrices is a unit of its own, the rest (embeddings, final norm,
-    head) to the root."""
-    units: Dict[str, int] = {}
-    for name, shape in shapes:
-        m = re.match(r"^(.*?\.(?:layers|h)\.\d+)\.", name)
-        key = m.group(1) if m else (name if name.startswith("params.") else "root")
-        units[key] = units.get(key, 0) + math.prod(shape)
-    return units
-
-
-def _per_rank(st: StateBytes, gpus: int) -> StateBytes:
-    """One rank's share of the state (every tensor sharded over the ranks)."""
-    return StateBytes(-(-st.device // gpus), -(-st.host // gpus), {k: -(-v // gpus) for k, v in st.by_codec.items()},
-                      -(-st.correction_device // gpus), -(-st.correction_host // gpus))
-
-
-def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget: int) -> StateBytes:
-    """State bytes of ``preset`` under ``gpu_budget=budget``: as the optimizer assigns residency,
-    each parameter's state (moments and correction) stays on the GPU, in parameter order, while it
-    fits beside the staging ring (half the budget at most); the rest is in host memory."""
-    out = StateBytes()
-    room = budget - min(STAGING_BYTES, budget // 2)
-    for name, shape in shapes:
-        one = state_bytes([(name, shape)], preset, optimizer)
-        on_device = one.total <= room
-        room -= one.total if on_device else 0
-        out.device += one.total if on_device else 0
-        out.host += 0 if on_device else one.total
-        corr = one.correction_device + one.correction_host
-        out.correction_device += corr if on_device else 0
-        out.correction_host += 0 if on_device else corr
-        for codec, nbytes in one.by_codec.items():
-            out.by_codec[codec] = out.by_codec.get(codec, 0) + nbytes
-    return out
-
-
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
