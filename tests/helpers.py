@@ -86,3 +86,22 @@ def capture_step(step, warm=None):
     with torch.cuda.graph(graph):
         step()
     return graph
+
+
+def steps_without_host_sync(model, opt, x, warmup: int = 3, steps: int = 2) -> None:
+    """Training steps (forward, backward, ``opt.step()``, ``zero_grad``) on ``x``: ``warmup`` to
+    build the plans, then ``steps`` under CUDA's sync debug mode, which raises on any host
+    synchronisation."""
+    def train_step():
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for _ in range(warmup):
+        train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from helpers import capture_step
+from helpers import capture_step, steps_without_host_sync
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -261,20 +261,6 @@ def test_released_backward_never_syncs(preset):
         oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, release_gradients=True, max_grad_norm=1.0)
     dtype = next(model.parameters()).dtype
-    x = torch.randn(64, 256, device="cuda", dtype=dtype)
-
-    def train_step():
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    for _ in range(3):
-        train_step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_host_sync(model, opt, torch.randn(64, 256, device="cuda", dtype=dtype))
     assert opt.step_count == 5 and opt.last_step_timings["fused_params"] == 0  # every tensor updated in its hook
     assert all(p.grad is None for p in model.parameters())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import optstate_core as oc
+from helpers import steps_without_host_sync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,19 +56,5 @@ def test_released_backward_over_offloaded_state_never_syncs():
     oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16w-4bit-lean-offload", release_gradients=True,
                   max_grad_norm=1.0, release_bucket_bytes=256 * 1024, staging_bytes="4MB")
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_host_sync(model, opt, torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
     assert opt.last_step_timings["fused_params"] == 0 and all(p.grad is None for p in model.parameters())
