@@ -166,8 +166,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if not isinstance(release_gradients, bool):
             raise ValueError(f"release_gradients must be True or False, got {release_gradients!r}")
         max_grad_norm, clip_mode = check_clip_options(max_grad_norm, clip_mode, release_gradients)
-        if not (release_bucket_bytes == 0 and not isinstance(release_bucket_bytes, bool)):
-            release_bucket_bytes = parse_bytes(release_bucket_bytes, "release_bucket_bytes")
+        release_bucket_bytes = parse_bytes(release_bucket_bytes, "release_bucket_bytes", allow_zero=True)
         if release_gradients and prefetch_budget == AUTO and not prefetch_during_backward:
             prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
         if elementwise is not None and not isinstance(elementwise, bool):

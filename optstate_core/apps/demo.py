@@ -214,7 +214,7 @@ def train_all(cfg: DemoConfig, presets: Sequence[str], corpus: Optional[Corpus] 
 
 def parse_presets(text: str) -> List[str]:
     """``"8bit,4bit"`` -> names checked against :data:`optstate_core.PRESETS` (each may end in
-    ``+release``: gradient release, clipping by the previous step's norm)."""
+    ``+release``: gradient release, clipping by ``--clip-mode``)."""
     from ..presets import PRESET_ALIASES, PRESETS
     names = [t.strip() for t in text.split(",") if t.strip()]
     for n in names:
@@ -280,10 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _bucket_bytes(text: str) -> int:
     from ..state.units import parse_bytes
-    if str(text).strip() == "0":
-        return 0
     try:
-        return parse_bytes(text, "--release-bucket-bytes")
+        return parse_bytes(text, "--release-bucket-bytes", allow_zero=True)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

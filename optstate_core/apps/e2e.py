@@ -75,7 +75,7 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
 def contender_configs(names: str, max_grad_norm: float):
     """``--optimizers`` for --e2e: contenders by name (:mod:`~optstate_core.apps.contenders`), each
     ``(label, build(params, model), weights dtype)``; optstate rows with gradient release clip with
-    ``max_grad_norm`` (its "previous" rule), the others do not clip."""
+    ``max_grad_norm`` (by its release default, ``clip_mode="auto"``), the others do not clip."""
     from . import contenders
     out = {}
     for name in (n.strip() for n in names.split(",") if n.strip()):

@@ -8,8 +8,11 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
 
 
-def parse_bytes(value, arg: str) -> int:
-    """A positive byte count from an int or a string such as ``"64MB"``; errors name ``arg``."""
+def parse_bytes(value, arg: str, allow_zero: bool = False) -> int:
+    """A positive byte count from an int or a string such as ``"64MB"``; errors name ``arg``.
+    ``allow_zero``: ``0`` (or ``"0"``) is accepted too, for options where it means "off"."""
+    if allow_zero and not isinstance(value, bool) and (value == 0 or str(value).strip() == "0"):
+        return 0
     if isinstance(value, bool):
         raise ValueError(f"{arg} must be a byte count such as 67108864 or '64MB', got {value!r}")
     if isinstance(value, float) and not (math.isfinite(value) and value == int(value)):
