@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .model_shapes import (APPROX_ROWS, NamedShapes, approximate_shapes, checkpointed_activation_bytes,  # noqa: F401
+from .model_shapes import (NamedShapes, approximate_shapes, checkpointed_activation_bytes,
                            config_shapes, load_config, parse_batch, parse_count)
 
 log = logging.getLogger("optstate.plan")
