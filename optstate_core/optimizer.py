@@ -231,7 +231,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine.schedule.drop_prefetch()  # a backward without a step: its staged state is not used
+        self._engine.schedule.zero_grad()  # a backward without a step: its staged state is not used
         self._engine.inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:

@@ -140,8 +140,7 @@ class Engine:
         cached = self._cached_plan(signature)
         if cached is None:
             follow_params(self)  # parameters cast or moved since their last step: state follows (or a clear refusal)
-        self.metrics = StepMetrics()
-        self.transfers.reset()
+        self.metrics = StepMetrics()  # (the transfer counters were reset by the last end_step: release's count too)
         if cached is None:
             buckets = self._plan_and_run(signature)
             remember_params(self)

@@ -99,6 +99,8 @@ class GradientRelease:
         self._partial = False  # a batch of this step was updated before backward ended
         self._exact_norm: Optional[torch.Tensor] = None  # this step's global norm, when one batch held it all
         self.released = 0  # parameters updated in backward this step
+        self._order = []  # this step's batches (ids of their parameters), in update order
+        self._last_order = []  # the previous step's: predicts which batch comes next (stage_next)
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
@@ -111,6 +113,7 @@ class GradientRelease:
         if info is None:
             return
         if not self._pending:  # the first of this backward: the rest goes when backward ends
+            self.engine.schedule.staged_ahead = False  # the first batch's copy is now this backward's
             try:
                 Variable._execution_engine.queue_callback(self.flush)
             except RuntimeError:  # called outside a backward (by hand): step() flushes
@@ -145,6 +148,26 @@ class GradientRelease:
             self.step_params(items)
         for p, _ in items:
             p.grad = None
+        self._order.append(tuple(id(p) for p, _ in items))
+        self.stage_next()
+
+    def stage_next(self) -> bool:
+        """Upload the offloaded state of the batch expected next (the previous step's batch at
+        this position; at the end of a step, the next step's first) while backward, or the next
+        forward, computes: its update then finds the state on the device. One batch ahead: the
+        device holds at most two batches' staged state. Returns whether anything was staged."""
+        position = len(self._order)
+        if position >= len(self._last_order):
+            return False
+        entry = self._buckets.get(self._last_order[position])
+        if entry is None:
+            return False
+        state = self.engine.state
+        buckets = [b for b in entry[0] if b.plan["offload"] and not b.first and
+                   all(s is state.get(k) for k, s in zip(b.keys, b.states))]
+        if buckets:
+            self.engine.schedule.stage(buckets)
+        return bool(buckets)
 
     def _info_of(self, param):
         info = self._infos.get(id(param))
@@ -214,7 +237,8 @@ class GradientRelease:
     def __getstate__(self):
         """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
-        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None)
+        state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None,
+                     _order=[], _last_order=[])
         return state
 
     # -- clipping ----------------------------------------------------------------------------------
@@ -307,6 +331,9 @@ class GradientRelease:
             self._set_scale()
         self._norms, self._exact_norm, self._partial = [], None, False
         self.released = 0
+        if self._order:
+            self._last_order, self._order = self._order, []
+            self.engine.schedule.staged_ahead = self.stage_next()  # the next step's first batch
 
 
 def check_release_supported(engine, params):

@@ -75,6 +75,8 @@ class StepSchedule:
         self._hooked = set()  # ids of parameters with a hook
         self.unmarked_accumulation = False  # a window of several backwards that nobody marked was seen
         self.release = None  # GradientRelease (release.py) when gradients are released in backward
+        self._written: Dict[int, tuple] = {}  # id(streamed bucket) -> (step count, event) of its last write-back
+        self.staged_ahead = False  # release staged the next step's first batch: zero_grad keeps it
 
     # -- phase 1: backward ------------------------------------------------------------------------
     def register_hooks(self, params) -> None:
@@ -136,11 +138,16 @@ class StepSchedule:
             self._upload_slab(queue, backward=True)
 
     def _upload_slab(self, queue, backward: bool) -> None:
-        """Upload a bucket's queued parameters as one slab: one allocation on the compute stream
-        (the upload waits for it and for the previous step's write-backs, on the device), one
-        copy call of merged ranges (:class:`~optstate_core.schedule.stage_plan.SlabPlan`, cached)."""
+        """Upload a bucket's queued parameters as one slab (after every queued write-back)."""
         bucket, items = queue.bucket, queue.items
         queue.items, queue.nbytes = [], 0
+        self._upload(bucket, items, backward, after=None)
+
+    def _upload(self, bucket, items, backward: bool, after) -> None:
+        """Upload parameters ``items`` (``(index, key)``) of ``bucket`` as one slab: one allocation
+        on the compute stream (the upload waits for it and for the write-back event ``after``, or
+        every queued write-back when None, on the device), one copy call of merged ranges
+        (:class:`~optstate_core.schedule.stage_plan.SlabPlan`, cached)."""
         plan = slab_plan(bucket, [i for i, _ in items])
         key_of = dict(items)
         device = bucket.params[0].device
@@ -148,7 +155,10 @@ class StepSchedule:
         buffer = torch.empty(plan.layout.nbytes, dtype=torch.uint8, device=device)  # on the compute stream
         hosts, views, _ = plan.copies(buffer)
         streams.wait(streams.h2d, streams.event(None))  # the block may be memory backward kernels still use
-        self._uploads_after(streams, self.last_writeback)  # the host rows the last step is writing back
+        if after is None:
+            self._uploads_after(streams, self.last_writeback)  # the host rows the last step is writing back
+        else:
+            streams.wait(streams.h2d, after)
         self.area.mark("upload_start", lambda: streams.event(streams.h2d))
         with streams.on(streams.h2d):
             torch._foreach_copy_(views, hosts, non_blocking=True)
@@ -157,6 +167,22 @@ class StepSchedule:
         if not backward:
             self.engine.transfers.h2d_bytes += plan.moved
         self.area.staged(Slab(buffer, plan), [key_of[i] for i in plan.indices], backward)
+
+    def stage(self, buckets) -> None:
+        """Gradient release: upload the offloaded state of a released batch's kept ``buckets`` now,
+        ahead of the batch (the previous step's order predicts it; see
+        :meth:`~optstate_core.schedule.release.GradientRelease.flush`), so that its update finds the
+        state on the device instead of streaming it through the ring while backward waits. Only
+        buckets last run in the previous step are staged: each slab's upload waits for that run's
+        write-back (events only), the last write of those host rows, and nothing updated since
+        (one update per parameter per step). :meth:`run` consumes the copies."""
+        for b in buckets:
+            written = self._written.get(id(b)) if b.plan["offload"] else None
+            if written is None or written[0] != self.engine.step_count - 1:
+                continue
+            items = [(i, id(k)) for i, k in enumerate(b.keys) if id(k) not in self.area.entries]
+            if items:
+                self._upload(b, items, backward=True, after=written[1])
 
     def index_offloaded(self, buckets) -> None:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks); the
@@ -176,8 +202,15 @@ class StepSchedule:
     def drop_prefetch(self) -> None:
         """Discard staged copies (zero_grad without a step, checkpoints, state moves): the host
         state is the truth and stays unchanged."""
+        self.staged_ahead = False
         if self.area.entries or self.area.queued:
             self.area.drop()
+
+    def zero_grad(self) -> None:
+        """``zero_grad()``: staged copies of a backward without a step are dropped; the first batch
+        that gradient release staged at the end of the step (for the next backward) is kept."""
+        if not self.staged_ahead:
+            self.drop_prefetch()
 
     def end_step(self, metrics, transfers) -> None:
         """After a step: per-phase byte counts into the metrics; copies not consumed discarded."""
@@ -187,6 +220,7 @@ class StepSchedule:
         backward = self.area.end_step(transfers.h2d_bytes, transfers.d2h_bytes)
         metrics.h2d_bytes = transfers.h2d_bytes + backward
         metrics.d2h_bytes = transfers.d2h_bytes
+        transfers.reset()  # the next step counts from here: gradient release moves bytes in backward
         self.step_writeback = self.last_writeback  # the next step's uploads wait for this step's write-backs
 
     # -- phase 2: step() --------------------------------------------------------------------------
@@ -226,6 +260,7 @@ class StepSchedule:
             rest = [i for i in range(len(b.params)) if i not in done] if done else list(range(len(b.params)))
             for chunk in ring_chunks(b, rest, ring.size // 2):
                 self._stream_chunk(b, flags, chunk)
+            self._written[id(b)] = (self.engine.step_count, self.last_writeback)
             kernels.advance_steps(b)
             kernels.count_skipped(flags)
             b.first = False
@@ -325,6 +360,7 @@ class StepSchedule:
         if self.last_writeback is not None:
             self.last_writeback.synchronize()
             self.last_writeback = self.step_writeback = None
+        self._written.clear()  # every write-back is done, and whoever synced may change the host state
 
     def close(self) -> None:
         """Wait for write-backs, drop the staging ring and the streams, remove the hooks."""
@@ -339,5 +375,5 @@ class StepSchedule:
         self.sync()
         state = dict(self.__dict__)
         state.update(_streams=None, _ring=None, last_writeback=None, step_writeback=None, _where={}, _hooks=[],
-                     _hooked=set(), _h2d_after=None)
+                     _hooked=set(), _h2d_after=None, _written={}, staged_ahead=False)
         return state
