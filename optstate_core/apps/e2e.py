@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import re
 import statistics
 import time
 
@@ -30,14 +32,31 @@ def build_model(hidden: int, layers: int, vocab: int, ffn: int, device):
 
 
 def train_step(model, tokens, opt):
-    """One training step (bf16 autocast forward, backward, ``opt.step()`` unless None); the loss."""
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    """One training step (bf16 autocast forward, backward, ``opt.step()`` unless None); the loss.
+    Each phase is a ``record_function`` range (``fwd``, ``bwd``, ``step``) for ``--trace``."""
+    from torch.profiler import record_function
+
+    with record_function("fwd"), torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    if opt is not None:
-        opt.step()
-    model.zero_grad(set_to_none=True)
+    with record_function("bwd"):
+        loss.backward()
+    with record_function("step"):
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
     return loss
+
+
+def trace_steps(model, tokens, opt, path: str, steps: int = 3) -> None:
+    """Profile ``steps`` back-to-back training steps (CPU and CUDA) into a chrome trace at ``path``
+    (summarised by ``tools/trace_timeline.py``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            train_step(model, tokens, opt)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
 
 
 def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
@@ -141,6 +160,9 @@ def run_e2e(args) -> int:
                 loss = train_step(model, tokens, opt)
             torch.cuda.synchronize()
             back_to_back = (time.perf_counter() - t) * 1e3 / args.steps
+            if args.trace:
+                os.makedirs(args.trace, exist_ok=True)
+                trace_steps(model, tokens, opt, os.path.join(args.trace, re.sub(r"[^\w.+-]+", "_", label) + ".json"))
             base = sum(p.numel() * p.element_size() for p in params)
             held = torch.cuda.memory_allocated(device) - base  # grads are freed: optimizer + leftovers
             report = opt.memory_report() if hasattr(opt, "memory_report") else None
@@ -198,6 +220,8 @@ def run_e2e(args) -> int:
 def add_arguments(parser) -> None:
     g = parser.add_argument_group("--e2e (end-to-end training step)")
     g.add_argument("--e2e", action="store_true", help="time forward+backward+step of a Llama-shaped model")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="also profile 3 steps per configuration into DIR/<configuration>.json (chrome traces)")
     g.add_argument("--hidden", type=int, default=2048)
     g.add_argument("--e2e-layers", dest="layers_e2e", type=int, default=16)
     g.add_argument("--vocab", type=int, default=32000)

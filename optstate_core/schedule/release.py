@@ -42,6 +42,7 @@ parameter across ranks (other paths), as without release.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Dict, Optional
 
 import torch
@@ -59,6 +60,9 @@ EPS = 1e-6
 #: launch per parameter costs ~0.1 ms of host time on a GPU (pointer tables, Triton's launcher),
 #: and a few hundred MB of gradients is little beside what release frees
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+#: ``OPTSTATE_STAGE_AHEAD=0`` turns off staging offloaded state one batch ahead (:meth:`GradientRelease.stage_next`),
+#: to measure what it gains: every released batch then streams through the staging ring
+STAGE_AHEAD = os.environ.get("OPTSTATE_STAGE_AHEAD", "1") != "0"
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
@@ -157,7 +161,7 @@ class GradientRelease:
         forward, computes: its update then finds the state on the device. One batch ahead: the
         device holds at most two batches' staged state. Returns whether anything was staged."""
         position = len(self._order)
-        if position >= len(self._last_order):
+        if not STAGE_AHEAD or position >= len(self._last_order):
             return False
         entry = self._buckets.get(self._last_order[position])
         if entry is None:
