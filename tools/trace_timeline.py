@@ -36,11 +36,43 @@ def busy(intervals, lo, hi):
     return total
 
 
+def cpu_ops(events, spans, name, top=25):
+    """Print the CPU-side events inside ``spans``: total time (nested events count in their
+    parents too) and own time (minus the events nested in them, on the same thread)."""
+    inside = sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "cuda_driver")
+                     and any(a <= e["ts"] < b for a, b in spans)), key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    own = {}
+    stack = []  # (end, index) per thread, innermost last
+    tid = None
+    for i, e in enumerate(inside):
+        if e["tid"] != tid:
+            stack, tid = [], e["tid"]
+        while stack and stack[-1][0] <= e["ts"]:
+            stack.pop()
+        own[i] = e["dur"]
+        if stack:
+            own[stack[-1][1]] -= e["dur"]
+        stack.append((e["ts"] + e["dur"], i))
+    totals = defaultdict(lambda: [0, 0.0, 0.0])
+    for i, e in enumerate(inside):
+        t = totals[(e["cat"], e["name"][:80])]
+        t[0] += 1
+        t[1] += e["dur"] / 1e3
+        t[2] += own[i] / 1e3
+    print(f"CPU events inside the {len(spans)} CPU spans of {name!r} ({sum(b - a for a, b in spans) / 1e3:.1f} ms):")
+    print("  own ms  total ms  count  kind  name")
+    for (cat, n), (count, total, mine) in sorted(totals.items(), key=lambda kv: -kv[1][2])[:top]:
+        print(f"  {mine:7.2f} {total:8.2f} {count:6d}  {cat[:6]}  {n}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--gap-ms", type=float, default=0.3)
     ap.add_argument("--kernels", default=None, help="list the GPU ops inside this range's GPU spans, by total time")
+    ap.add_argument("--cpu-ops", default=None, metavar="RANGE",
+                    help="list the CPU-side events (torch ops, CUDA runtime calls, Python functions when traced "
+                         "with stacks) inside this range's CPU spans, by total and by own time")
     args = ap.parse_args()
     events = load(args.trace)
     cpu = [r for r in ranges(events, "user_annotation") if not r[2].startswith(("Optimizer.", "ProfilerStep"))]
@@ -65,6 +97,8 @@ def main():
               f"({sum((b - a) for a, b in spans) / 1e3:.2f} ms in all):")
         for name, (count, ms_) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:15]:
             print(f"  {ms_:8.3f} ms  {count:5d}x  {name}")
+    if args.cpu_ops:
+        cpu_ops(events, [(a, b) for a, b, n in cpu if n == args.cpu_ops], args.cpu_ops)
     t0 = min([r[0] for r in cpu + gpu] or [0])
     ms = lambda t: (t - t0) / 1e3  # noqa: E731
     compute = max(streams, key=lambda s: sum(1 for x in streams[s] if x[2] == "kernel")) if streams else None

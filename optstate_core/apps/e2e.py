@@ -52,7 +52,7 @@ def trace_steps(model, tokens, opt, path: str, steps: int = 3) -> None:
     (summarised by ``tools/trace_timeline.py``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(steps):
             train_step(model, tokens, opt)
         torch.cuda.synchronize()
