@@ -94,7 +94,7 @@ class GradientRelease:
         self.clip_mode = clip_mode
         self.last_grad_norm: Optional[torch.Tensor] = None  # global norm of the last step, pre-clip
         self._scale: Optional[torch.Tensor] = None  # the previous step's clip factor ("previous")
-        self._norms = []  # this step's per-gradient norms so far (fp32 0-dim tensors, pre-clip)
+        self._norms = []  # this step's per-gradient norms so far (fp32 vectors, one per clipped list; pre-clip)
         self._scaled = None  # ``_scale`` cast for the gradients of this step: (device, dtype, tensor)
         self._infos: Dict[int, object] = {}
         self._buckets: Dict[tuple, tuple] = {}  # ids of a batch's params -> (its buckets, their keys)
@@ -147,8 +147,7 @@ class GradientRelease:
                 self._exact_norm = torch.nn.utils.clip_grad_norm_([p for p, _ in items], self.max_grad_norm,
                                                                   foreach=None)
             else:
-                for p, _ in items:
-                    self._clip_one(p.grad)
+                self._clip([p.grad for p, _ in items])
             self.step_params(items)
         for p, _ in items:
             p.grad = None
@@ -252,31 +251,39 @@ class GradientRelease:
         ("previous"; "auto" under FSDP2), rather than per tensor."""
         return self.clip_mode == "previous" or (self.clip_mode == "auto" and self.group is not None)
 
-    def _clip_one(self, grad: torch.Tensor) -> None:
-        grad = local(grad)  # FSDP2: the local shard (no collective per parameter)
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        self._norms.append(norm)  # one launch per gradient; summed once (norm_so_far, after_step)
-        if self.max_grad_norm is None:
-            return
-        if self._one_step_late and self._scale is not None:
-            cached = self._scaled
-            if cached is None or cached[0] != grad.device or cached[1] != grad.dtype:
-                cached = self._scaled = (grad.device, grad.dtype, self._scale.to(grad.device, grad.dtype))
-            grad.mul_(cached[2])
-        else:  # per tensor (and the first step of "previous")
-            grad.mul_(torch.clamp(self.max_grad_norm / (norm + EPS), max=1.0).to(grad.dtype))
+    def _clip(self, grads) -> None:
+        """Note the norms of ``grads`` (pre-clip) and clip them by this step's rule, a few launches
+        for the whole list (grouped by device and dtype): the norms in one foreach launch, the
+        factors in a few, the scaling in one (a shared factor) or one per gradient."""
+        grads = [local(g) for g in grads]  # FSDP2: the local shards (no collective per parameter)
+        groups: Dict[tuple, list] = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), group in groups.items():
+            norms = torch.stack(_norms_fp32(group))
+            self._norms.append(norms)  # summed once (norm_so_far, after_step)
+            if self.max_grad_norm is None:
+                continue
+            if self._one_step_late and self._scale is not None:
+                cached = self._scaled
+                if cached is None or cached[0] != device or cached[1] != dtype:
+                    cached = self._scaled = (device, dtype, self._scale.to(device, dtype))
+                torch._foreach_mul_(group, cached[2])
+            else:  # per tensor (and the first step of "previous")
+                factors = torch.clamp(self.max_grad_norm / (norms + EPS), max=1.0).to(dtype)
+                torch._foreach_mul_(group, list(factors.unbind()))
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         """The 2-norm over this step's gradients so far; non-finite ones (skipped) do not count."""
         if self._exact_norm is not None:
             if not self._norms:
                 return self._exact_norm
-            self._norms.append(self._exact_norm)  # and gradients step() clipped after it: one sum
+            self._norms.append(self._exact_norm.reshape(1))  # and gradients step() clipped after it: one sum
             self._exact_norm = None
         if not self._norms:
             return None
         device = self._norms[0].device
-        norms = torch.stack([n.to(device) for n in self._norms])
+        norms = torch.cat([n.to(device) for n in self._norms])
         squares = torch.where(torch.isfinite(norms), norms * norms, torch.zeros_like(norms)).sum()
         if self.group is not None:  # FSDP2: local shards' squares summed over the ranks
             torch.distributed.all_reduce(squares, group=self.group)
@@ -291,8 +298,8 @@ class GradientRelease:
         if not self.release and self.max_grad_norm is not None and self.clip_mode == "global" and with_grad:
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm, foreach=None)
             return
-        for p in with_grad:
-            self._clip_one(p.grad)
+        if with_grad:
+            self._clip([p.grad for p in with_grad])
 
     def norm_so_far(self) -> Optional[torch.Tensor]:
         """This step's global gradient norm over the gradients seen so far (pre-clip), else the
@@ -338,6 +345,14 @@ class GradientRelease:
         if self._order:
             self._last_order, self._order = self._order, []
             self.engine.schedule.staged_ahead = self.stage_next()  # the next step's first batch
+
+
+def _norms_fp32(grads):
+    """The 2-norm of each gradient, accumulated in fp32 (one foreach launch where torch has it)."""
+    try:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # a torch without the dtype argument, or a layout foreach does not take
+        return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
 
 
 def check_release_supported(engine, params):
