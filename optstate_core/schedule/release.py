@@ -60,9 +60,10 @@ EPS = 1e-6
 #: launch per parameter costs ~0.1 ms of host time on a GPU (pointer tables, Triton's launcher),
 #: and a few hundred MB of gradients is little beside what release frees
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-#: ``OPTSTATE_STAGE_AHEAD=0`` turns off staging offloaded state one batch ahead (:meth:`GradientRelease.stage_next`),
-#: to measure what it gains: every released batch then streams through the staging ring
-STAGE_AHEAD = os.environ.get("OPTSTATE_STAGE_AHEAD", "1") != "0"
+#: how many released batches' offloaded state is staged ahead of their update
+#: (:meth:`GradientRelease.stage_next`); ``OPTSTATE_STAGE_AHEAD=0`` turns staging off (every
+#: released batch then streams through the staging ring), to measure what it gains
+STAGE_AHEAD = int(os.environ.get("OPTSTATE_STAGE_AHEAD", "2"))
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
@@ -105,6 +106,7 @@ class GradientRelease:
         self.released = 0  # parameters updated in backward this step
         self._order = []  # this step's batches (ids of their parameters), in update order
         self._last_order = []  # the previous step's: predicts which batch comes next (stage_next)
+        self._staged_to = 0  # positions of _last_order below this were staged (or passed) this step
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
@@ -155,22 +157,25 @@ class GradientRelease:
         self.stage_next()
 
     def stage_next(self) -> bool:
-        """Upload the offloaded state of the batch expected next (the previous step's batch at
-        this position; at the end of a step, the next step's first) while backward, or the next
-        forward, computes: its update then finds the state on the device. One batch ahead: the
-        device holds at most two batches' staged state. Returns whether anything was staged."""
-        position = len(self._order)
-        if not STAGE_AHEAD or position >= len(self._last_order):
-            return False
-        entry = self._buckets.get(self._last_order[position])
-        if entry is None:
-            return False
+        """Upload the offloaded state of the next :data:`STAGE_AHEAD` batches expected (the
+        previous step's batches at the positions after this one; at the end of a step, the next
+        step's first) while backward, or the next forward, computes: their updates then find the
+        state on the device. The device holds at most ``STAGE_AHEAD + 1`` batches' staged state.
+        Returns whether anything was staged."""
+        staged = False
+        end = min(len(self._order) + STAGE_AHEAD, len(self._last_order))
         state = self.engine.state
-        buckets = [b for b in entry[0] if b.plan["offload"] and not b.first and
-                   all(s is state.get(k) for k, s in zip(b.keys, b.states))]
-        if buckets:
-            self.engine.schedule.stage(buckets)
-        return bool(buckets)
+        for position in range(max(len(self._order), self._staged_to), end):
+            entry = self._buckets.get(self._last_order[position])
+            if entry is None:
+                continue
+            buckets = [b for b in entry[0] if b.plan["offload"] and not b.first and
+                       all(s is state.get(k) for k, s in zip(b.keys, b.states))]
+            if buckets:
+                self.engine.schedule.stage(buckets)
+                staged = True
+        self._staged_to = max(self._staged_to, end)
+        return staged
 
     def _info_of(self, param):
         info = self._infos.get(id(param))
@@ -241,7 +246,7 @@ class GradientRelease:
         """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
         state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None,
-                     _order=[], _last_order=[])
+                     _order=[], _last_order=[], _staged_to=0)
         return state
 
     # -- clipping ----------------------------------------------------------------------------------
@@ -343,7 +348,7 @@ class GradientRelease:
         self._norms, self._exact_norm, self._partial = [], None, False
         self.released = 0
         if self._order:
-            self._last_order, self._order = self._order, []
+            self._last_order, self._order, self._staged_to = self._order, [], 0
             self.engine.schedule.staged_ahead = self.stage_next()  # the next step's first batch
 
 
