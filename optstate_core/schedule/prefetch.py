@@ -58,13 +58,14 @@ def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str
 
 
 class Slab:
-    """One upload of several parameters' state: its device allocation and its
-    :class:`~optstate_core.schedule.stage_plan.SlabPlan` (layout and merged copy ranges)."""
+    """One upload of several parameters' state: its device allocation, its
+    :class:`~optstate_core.schedule.stage_plan.SlabPlan` (layout and merged copy ranges) and the
+    event that marks its copy done (None on the CPU)."""
 
-    __slots__ = ("buffer", "plan")
+    __slots__ = ("buffer", "plan", "ready")
 
-    def __init__(self, buffer, plan):
-        self.buffer, self.plan = buffer, plan
+    def __init__(self, buffer, plan, ready=None):
+        self.buffer, self.plan, self.ready = buffer, plan, ready
 
 
 class Staged:

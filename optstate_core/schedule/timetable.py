@@ -166,7 +166,7 @@ class StepSchedule:
             buffer.record_stream(streams.h2d)
         if not backward:
             self.engine.transfers.h2d_bytes += plan.moved
-        self.area.staged(Slab(buffer, plan), [key_of[i] for i in plan.indices], backward)
+        self.area.staged(Slab(buffer, plan, streams.event(streams.h2d)), [key_of[i] for i in plan.indices], backward)
 
     def stage(self, buckets) -> None:
         """Gradient release: upload the offloaded state of a released batch's kept ``buckets`` now,
@@ -248,10 +248,16 @@ class StepSchedule:
             pre = [i for i in range(len(b.keys)) if self._staged_for(b, i)] \
                 if self.area.entries else []  # nothing staged (prefetch off): no per-parameter lookups
             work.append((b, flags, pre))
-        if any(pre for _, _, pre in work):  # backward's uploads, all on one stream: one event covers them
-            uploaded = streams.event(streams.h2d)
-            self.area.mark("upload_end", lambda: uploaded)
-            streams.wait(None, uploaded)
+        if any(pre for _, _, pre in work):  # the updates wait for their own slabs' copies, not for
+            # later uploads already queued on the stream (gradient release stages batches ahead)
+            ready = {}
+            for b, _, pre in work:
+                for i in pre:
+                    slab = self.area.entries[id(b.keys[i])].slab
+                    ready[id(slab)] = slab.ready
+            for event in ready.values():
+                streams.wait(None, event)
+            self.area.mark("upload_end", lambda: streams.event(streams.h2d))
         for b, flags, pre in work:
             if pre:
                 self._launch_prefetched(b, flags, pre)
