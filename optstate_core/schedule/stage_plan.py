@@ -15,7 +15,6 @@ the slab's address + cached offsets.
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -24,9 +23,6 @@ from ..state.codecs import EncodedTensor
 from .transfer import coalesce_copies
 
 PAD = 16
-#: the longest single host<->device copy: the small copies the compute stream makes at a launch
-#: (pointer tables) share the copy engine with staged uploads and wait for the copy in flight
-COPY_PIECE = int(os.environ.get("OPTSTATE_COPY_PIECE_MB", 32)) << 20
 
 
 def _padded(n: int) -> int:
@@ -144,10 +140,8 @@ class ChunkPlan:
 
 
 def _coalesced(pairs):
-    """(coalesced copies, bytes they move) of (host, staged) pairs, each copy at most
-    :data:`COPY_PIECE` bytes."""
-    merged = [(h[a:a + COPY_PIECE], d[a:a + COPY_PIECE]) for h, d in coalesce_copies(pairs)
-              for a in range(0, h.numel(), COPY_PIECE)]
+    """(coalesced copies, bytes they move) of (host, staged) pairs."""
+    merged = coalesce_copies(pairs)
     return merged, sum(h.numel() * h.element_size() for h, _ in merged)
 
 
@@ -198,13 +192,7 @@ class SlabPlan:
 
 def _merged_ranges(slots):
     """``(offset, host bytes)`` slots in layout order -> ``(host bytes, offset, nbytes)`` ranges,
-    merging a slot into the previous one when both sides continue it (up to the 16-byte padding),
-    then cutting each into copies of at most :data:`COPY_PIECE` bytes."""
-    return [(host[a:a + COPY_PIECE], off + a, min(COPY_PIECE, n - a)) for host, off, n in _merge(slots)
-            for a in range(0, n, COPY_PIECE)]
-
-
-def _merge(slots):
+    merging a slot into the previous one when both sides continue it (up to the 16-byte padding)."""
     out = []
     for off, host in slots:
         n = host.numel()
