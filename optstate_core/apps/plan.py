@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..schedule.release import STAGE_AHEAD
 from .model_shapes import (NamedShapes, approximate_shapes, checkpointed_activation_bytes,
                            config_shapes, load_config, parse_batch, parse_count)
 
@@ -44,6 +45,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AFTER_WARMUP = 10**9  # the step at which policies are asked: any warmup is long over
 STAGING_BYTES = 256 * 2**20  # wrap(staging_bytes=...)'s default: the ring offloaded state streams through
 RELEASE_BUCKET_BYTES = 256 * 2**20  # wrap(release_bucket_bytes=...)'s default
+MIN_BUDGET_ROW = 2**30  # the smallest gpu_budget the plan offers as a row of its own
 #: host <-> device bytes per second each way while both directions copy at once (one H100: 85-88
 #: GB/s in both directions together, 53-55 GB/s one way alone; BENCHMARKS.md section 23)
 PCIE_BYTES_PER_S = 42e9
@@ -126,7 +128,7 @@ class PlanRow:
     bits_per_param: float
     weights: int = 0  # this row's parameter bytes (bf16 for master-weight presets)
     grads: int = 0  # this row's gradient bytes at the step's peak
-    staging: int = 0  # the staging ring that host-resident state streams through
+    staging: int = 0  # the staging ring that host-resident state streams through (and, with release, staged batches)
     gpu_budget: Optional[int] = None  # a row that keeps state resident up to this many bytes
 
     @property
@@ -202,6 +204,13 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     def released(itemsize: int) -> int:  # gradient bytes alive at once when released in backward (per rank)
         return min(-(-n // gpus) * itemsize, release_bucket_bytes + -(-largest // gpus) * itemsize)
 
+    def staged_ahead(host: int, gsize: int) -> int:
+        """Host state that release stages ahead (per rank): the next STAGE_AHEAD batches' and the
+        updating one's, at most the largest parameter's batch plus STAGE_AHEAD ordinary ones."""
+        if not (release_gradients and host and n):
+            return 0
+        return min(host, (-(-largest // gpus) + STAGE_AHEAD * release_bucket_bytes // max(gsize, 1)) * host * gpus // n)
+
     def row(preset, st, budget=None):
         w, g = weights, grads
         if has_master_weights(preset):
@@ -215,6 +224,8 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
             st = _per_rank(st, gpus)
             w += (root + 2 * layer) * wsize + max(root, layer) * gsize  # FSDP2's gathered units, unsharded grads
         staging = min(staging_bytes, budget // 2) if budget is not None else (staging_bytes if st.host else 0)
+        if preset is not None:
+            staging += staged_ahead(st.host, gsize)
         total = w + g + st.device + activations + staging
         name = f"torch {optimizer}" if preset is None else preset
         if budget is not None:
@@ -226,9 +237,12 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     resident = next((r for r in rows if r.name == BUDGET_PRESET), None)
     if resident is not None and not resident.fits:
         # what the state may take on the GPU, keeping BUDGET_MARGIN of the card for the allocator
-        room = int(gpu_memory * (1 - BUDGET_MARGIN)) - (resident.total_gpu - resident.state.device)
-        if room > 2 * 2**20:  # every rank keeps its shards' state resident in the same order
-            st = budget_state_bytes(shapes, BUDGET_PRESET, optimizer, room * gpus)
+        # (less the ring and what release would stage ahead if all of the state streamed; the
+        # row's state is per rank already, its gradients bf16)
+        room = int(gpu_memory * (1 - BUDGET_MARGIN)) - (resident.total_gpu - resident.state.device) - \
+            staging_bytes - staged_ahead(resident.state.total, 2)
+        if room >= MIN_BUDGET_ROW:  # (a smaller budget streams nearly everything: the -offload row says it)
+            st = budget_state_bytes(shapes, BUDGET_PRESET, optimizer, room * gpus)  # every rank in the same order
             rows.append(row(BUDGET_PRESET, st, budget=room))
     return Plan(n, weights, grads, activations, gpu_memory, rows, optimizer, source, weights_dtype,
                 release_gradients, pcie_bytes_per_s, gpus)
@@ -308,7 +322,8 @@ def format_plan(plan: Plan) -> str:
         lines.append("nothing fits: " + "; ".join(_hints(plan)))
     lines.append(f"copy time = state in host memory / {plan.pcie_bytes_per_s / 1e9:.0f} GB/s each way (--pcie-gbps): "
                  "a step's floor when backward cannot hide the copies; larger batches (and gradient accumulation, "
-                 "where the gradients fit) hide more of it. The staging ring (256 MiB) counts in rows with host state.")
+                 "where the gradients fit) hide more of it. The staging ring (256 MiB) counts in rows with host state, "
+                 f"and with release the state staged {STAGE_AHEAD} batches ahead.")
     lines.append("During step() a compressed preset also materializes up to chunk_bytes (64 MiB by default) of "
                  "full-precision state at a time; offloaded state needs pinned host memory of its size.")
     return "\n".join(lines)
