@@ -364,3 +364,19 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", *TINY, "--clip-mode", "global"])
     assert "--clip-mode must be auto, previous or per_tensor" in capsys.readouterr().err
+
+
+def test_e2e_clip_all_clips_the_rows_without_release_too():
+    """``bench --e2e --clip-all``: a preset without release clips globally in step(), as its release
+    row clips in backward, so the two rows do the same work; non-optstate rows never clip."""
+    from optstate_core.apps.e2e import contender_configs
+
+    ps = [torch.nn.Parameter(torch.zeros(8, 256))]
+    for clip_all in (False, True):
+        configs = contender_configs("adamw,8bit+norelease,8bit+release", 1.0, clip_all)
+        opts = {name: build(ps, None) for name, (build, _) in configs.items()}
+        assert opts["8bit+release"].max_grad_norm == 1.0 and opts["8bit+release"].clip_mode == "auto"
+        assert opts["8bit+norelease"].max_grad_norm == (1.0 if clip_all else None)
+        assert opts["8bit+norelease"].clip_mode == "global" and not hasattr(opts["adamw"], "max_grad_norm")
+        for opt in opts.values():
+            getattr(opt, "close", lambda: None)()

@@ -91,10 +91,12 @@ def e2e_configs(n_params: int, compare: bool, budget_fraction: float):
     return out, budget
 
 
-def contender_configs(names: str, max_grad_norm: float):
+def contender_configs(names: str, max_grad_norm: float, clip_all: bool = False):
     """``--optimizers`` for --e2e: contenders by name (:mod:`~optstate_core.apps.contenders`), each
     ``(label, build(params, model), weights dtype)``; optstate rows with gradient release clip with
-    ``max_grad_norm`` (by its release default, ``clip_mode="auto"``), the others do not clip."""
+    ``max_grad_norm`` (by its release default, ``clip_mode="auto"``); with ``clip_all`` the optstate
+    rows without release clip too (globally, in ``step()``), so that a preset with and without release
+    does the same work; the other rows do not clip."""
     from . import contenders
     out = {}
     for name in (n.strip() for n in names.split(",") if n.strip()):
@@ -103,7 +105,7 @@ def contender_configs(names: str, max_grad_norm: float):
         if why is not None:
             log.warning("e2e: %s skipped: %s", name, why)
             continue
-        clip = max_grad_norm if c.release and c.preset is not None else None
+        clip = max_grad_norm if c.preset is not None and (c.release or clip_all) else None
         out[name] = (lambda ps, model, c=c, clip=clip: contenders.build(c, ps, model, max_grad_norm=clip), c.weights)
     return out
 
@@ -121,7 +123,7 @@ def run_e2e(args) -> int:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     if args.optimizers:
-        configs, budget = {"forward+backward only": None, **contender_configs(args.optimizers, 1.0)}, 0
+        configs, budget = {"forward+backward only": None, **contender_configs(args.optimizers, 1.0, args.clip_all)}, 0
     else:
         configs, budget = e2e_configs(n, args.compare, args.budget_fraction)
         configs = {label: (None if b is None else (lambda ps, model, b=b: b(ps)), torch.float32)
@@ -214,12 +216,19 @@ def run_e2e(args) -> int:
           f"{args.steps} steps without one, wall clock until the device is idle, per step (what a training loop sees); "
           f"x fwd+bwd peak: peak GPU memory over the forward+backward-only run's; copy ms beside compute: spans "
           f"of the last step's uploads during backward and of its write-backs (memory_report()['prefetch'])")
+    if args.optimizers:
+        print("clipping: optstate rows with release clip at 1.0 (clip_mode 'auto')" +
+              ("; optstate rows without release clip globally at 1.0 (--clip-all)" if args.clip_all else
+               "; the rows without release do not clip (--clip-all makes optstate's clip)"))
     return 0
 
 
 def add_arguments(parser) -> None:
     g = parser.add_argument_group("--e2e (end-to-end training step)")
     g.add_argument("--e2e", action="store_true", help="time forward+backward+step of a Llama-shaped model")
+    g.add_argument("--clip-all", action="store_true",
+                   help="with --optimizers: optstate rows without release clip at 1.0 too (global clipping in step()), "
+                        "as the release rows do")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="also profile 3 steps per configuration into DIR/<configuration>.json (chrome traces)")
     g.add_argument("--hidden", type=int, default=2048)
