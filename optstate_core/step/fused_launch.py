@@ -160,7 +160,7 @@ class KernelLauncher:
         per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
         launch has and counts its own. ``advance``: the step counts too (streamed pieces leave
         that to :meth:`advance_steps` after the last piece)."""
-        from .kernels.adam import adam_kernel, bias_corrections_kernel
+        from .kernels.adam import adam_kernel
         from .kernels.sgd import sgd_kernel
 
         engine, plan, params = self.engine, bucket.plan, bucket.params
