@@ -241,3 +241,38 @@ def test_release_stages_batches_ahead_and_stays_bit_identical(monkeypatch):
     assert phases[2]["step"] > 0  # p2 came first and streamed; p1 and p0 were staged
     assert phases[3]["step"] > 0  # p0 came first (p2 and p1 were staged): streamed
     assert phases[4]["step"] > 0 and phases[4]["ahead"] == 2  # p1 sat out the last step: streamed
+
+
+def test_release_over_offloaded_state_with_accumulation_and_autograd_hooks():
+    """The real hooks of an autograd backward (a model with biases and a LayerNorm), windows of two
+    micro-batches marked with set_step_boundary, several released batches per backward and the
+    offloaded preset staging them ahead: bit for bit the resident preset without release, and the
+    copies staged at the end of a step wait through the next window's first micro-batch."""
+    def net():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 8)).to(DEVICE)
+        cast_model(m)
+        return m
+
+    runs = []
+    for preset, release in (("bf16w-4bit-lean", False), ("bf16w-4bit-lean-offload", True)):
+        m = net()
+        opt = oc.wrap(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), preset, fused=True,
+                      release_gradients=release, release_bucket_bytes=256, staging_bytes="16KB")
+        g = torch.Generator().manual_seed(3)
+        staged = []
+        for i in range(8):
+            opt.set_step_boundary(i % 2 == 1)
+            x = torch.randn(8, 32, generator=g).to(DEVICE, torch.bfloat16)
+            m(x).float().square().mean().backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+            staged.append(len(opt._engine.schedule.area.entries))
+        runs.append((m, opt, staged))
+    (ref, _, _), (m, opt, staged) = runs
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
+    assert opt._engine.gradient_release.released == 0 and len(opt._engine.gradient_release._last_order) > 2
+    assert staged[-2] > 0 and staged[-2] == staged[-1]  # staged after a step, still there after the next micro-batch
+    assert opt.memory_report()["prefetch"]["bytes_by_phase"]["step"] == 0  # every batch found its state staged
