@@ -8,6 +8,7 @@ import torch
 
 import optstate_core as oc
 from optstate_core.apps import cli, plan
+from optstate_core.schedule import release
 
 # Llama-style, grouped-query attention (2 KV heads of 16), untied lm_head.
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
@@ -191,7 +192,7 @@ def test_plan_an_8b_model_on_a_24gb_card(tmp_path, capsys):
     assert by["8bit"].grads == by["bf16w-4bit-lean-offload"].grads == plan.RELEASE_BUCKET_BYTES + 2 * embed
     assert by["torch adamw"].grads == 2 * n  # the unwrapped optimizer releases nothing
     off = by["bf16w-4bit-lean-offload"]
-    ahead = (embed + plan.STAGE_AHEAD * plan.RELEASE_BUCKET_BYTES // 2) * off.state.host // n  # the lm_head batch + 2
+    ahead = (embed + release.DEFAULT_STAGE_AHEAD * plan.RELEASE_BUCKET_BYTES // 2) * off.state.host // n  # the lm_head batch + 2
     assert off.state.device == 0 and off.total_gpu == 2 * n + off.grads + 4 * 10**9 + plan.STAGING_BYTES + ahead
     assert off.pcie_bytes == off.state.host > 2 * n  # 4-bit moments + 1-byte correction + scales
     assert not any(r.gpu_budget for r in p.rows)  # under 1 GiB of room: no budget row

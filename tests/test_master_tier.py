@@ -210,8 +210,7 @@ def test_release_stages_batches_ahead_and_stays_bit_identical(monkeypatch):
     ring. Steps whose batches come in another order (a staged copy then waits, a batch that already
     updated is not staged again) or lack a parameter stay bit-identical to resident state without
     release."""
-    from optstate_core.schedule import release as release_module
-    monkeypatch.setattr(release_module, "STAGE_AHEAD", 2)
+    monkeypatch.setenv("OPTSTATE_STAGE_AHEAD", "2")
     orders = [[0, 1, 2], [0, 1, 2], [2, 1, 0], [0, 2], [0, 1, 2]]
 
     def run(preset, release):
@@ -276,3 +275,24 @@ def test_release_over_offloaded_state_with_accumulation_and_autograd_hooks():
     assert opt._engine.gradient_release.released == 0 and len(opt._engine.gradient_release._last_order) > 2
     assert staged[-2] > 0 and staged[-2] == staged[-1]  # staged after a step, still there after the next micro-batch
     assert opt.memory_report()["prefetch"]["bytes_by_phase"]["step"] == 0  # every batch found its state staged
+
+
+def test_stage_ahead_setting_is_validated(monkeypatch):
+    """``OPTSTATE_STAGE_AHEAD`` (read when the optimizer is built) must be an integer >= 0: anything
+    else is refused by name and nothing is built; 0 stages nothing, 1 one batch ahead."""
+    ps = list(model().parameters())
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv("OPTSTATE_STAGE_AHEAD", bad)
+        with pytest.raises(ValueError, match="OPTSTATE_STAGE_AHEAD must be an integer >= 0"):
+            oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, release_gradients=True)
+    for depth in (0, 1):
+        monkeypatch.setenv("OPTSTATE_STAGE_AHEAD", str(depth))
+        opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True,
+                      release_gradients=True, release_bucket_bytes=512, staging_bytes="16KB")
+        for s in range(2):
+            set_grads(ps, s)
+            for p in ps:
+                opt._engine.schedule.gradient_ready(p)
+            opt.step()
+        assert len(opt._engine.schedule.area.entries) == depth  # one parameter per batch here
+        opt.close()

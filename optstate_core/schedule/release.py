@@ -60,10 +60,20 @@ EPS = 1e-6
 #: launch per parameter costs ~0.1 ms of host time on a GPU (pointer tables, Triton's launcher),
 #: and a few hundred MB of gradients is little beside what release frees
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-#: how many released batches' offloaded state is staged ahead of their update
-#: (:meth:`GradientRelease.stage_next`); ``OPTSTATE_STAGE_AHEAD=0`` turns staging off (every
-#: released batch then streams through the staging ring), to measure what it gains
-STAGE_AHEAD = int(os.environ.get("OPTSTATE_STAGE_AHEAD", "2"))
+#: how many released batches' offloaded state is staged ahead of their update by default
+#: (:meth:`GradientRelease.stage_next`; ``OPTSTATE_STAGE_AHEAD``, see :func:`stage_ahead`)
+DEFAULT_STAGE_AHEAD = 2
+
+
+def stage_ahead() -> int:
+    """``OPTSTATE_STAGE_AHEAD``: released batches staged ahead (0: off, every released batch then
+    streams through the staging ring, to measure what staging gains), else :data:`DEFAULT_STAGE_AHEAD`."""
+    value = os.environ.get("OPTSTATE_STAGE_AHEAD")
+    if value is None:
+        return DEFAULT_STAGE_AHEAD
+    if not value.strip().isdigit():
+        raise ValueError(f"OPTSTATE_STAGE_AHEAD must be an integer >= 0 (0 turns staging off), got {value!r}")
+    return int(value)
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
@@ -107,6 +117,7 @@ class GradientRelease:
         self._order = []  # this step's batches (ids of their parameters), in update order
         self._last_order = []  # the previous step's: predicts which batch comes next (stage_next)
         self._staged_to = 0  # positions of _last_order below this were staged (or passed) this step
+        self._ahead = stage_ahead()  # batches staged ahead (read once: a bad setting fails at wrap())
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
@@ -157,13 +168,13 @@ class GradientRelease:
         self.stage_next()
 
     def stage_next(self) -> bool:
-        """Upload the offloaded state of the next :data:`STAGE_AHEAD` batches expected (the
-        previous step's batches at the positions after this one; at the end of a step, the next
-        step's first) while backward, or the next forward, computes: their updates then find the
-        state on the device. The device holds at most ``STAGE_AHEAD + 1`` batches' staged state.
-        Returns whether anything was staged."""
+        """Upload the offloaded state of the next :func:`stage_ahead` batches expected (read when the
+        optimizer was built; the previous step's batches at the positions after this one; at the
+        end of a step, the next step's first) while backward, or the next forward, computes: their
+        updates then find the state on the device. The device holds at most that many + 1 batches'
+        staged state. Returns whether anything was staged."""
         staged = False
-        end = min(len(self._order) + STAGE_AHEAD, len(self._last_order))
+        end = min(len(self._order) + self._ahead, len(self._last_order))
         state = self.engine.state
         for position in range(max(len(self._order), self._staged_to), end):
             entry = self._buckets.get(self._last_order[position])
