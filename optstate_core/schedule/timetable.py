@@ -4,7 +4,10 @@
    window): as a parameter's gradient becomes final, its offloaded state starts uploading, in
    gradient-arrival order, into the prefetch area (memory backward has just freed, within a
    byte budget: :mod:`~optstate_core.schedule.prefetch`), or the parameter is updated and its gradient
-   freed at once (``release_gradients``, see :mod:`~optstate_core.schedule.release`).
+   freed at once (``release_gradients``, see :mod:`~optstate_core.schedule.release`); then the
+   host state of the batches expected next uploads into slabs ahead of their update
+   (:meth:`StepSchedule.stage`), and at the end of a step the next step's first batches, behind
+   the next forward.
 2. **step()**: resident buckets, then the prefetched parameters of streamed buckets, update at
    once, each write-back queued right after its update; the rest streams through the staging
    ring chunk by chunk (upload, fused update, write-back).
