@@ -397,3 +397,17 @@ def test_slab_plan_copies_whole_or_per_parameter():
                     else:
                         assert not staged[j][k].payload[name].view(torch.uint8).any()
         assert moved == expected
+
+
+def test_a_bad_slab_size_setting_is_refused_by_name():
+    """``OPTSTATE_SLAB_MB`` must be a positive integer: anything else stops the import with an
+    error that names it (it used to be int()'s own message)."""
+    import os
+    import subprocess
+    import sys
+
+    for bad in ("abc", "0", "-4"):
+        env = dict(os.environ, OPTSTATE_SLAB_MB=bad)
+        run = subprocess.run([sys.executable, "-c", "import optstate_core.schedule.prefetch"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "OPTSTATE_SLAB_MB must be a positive integer" in run.stderr
