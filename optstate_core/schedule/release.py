@@ -161,10 +161,11 @@ class GradientRelease:
                                                                   foreach=None)
             else:
                 self._clip([p.grad for p, _ in items])
-            self.step_params(items)
+            batch = tuple(id(p) for p, _ in items)
+            self.step_params(items, batch)
         for p, _ in items:
             p.grad = None
-        self._order.append(tuple(id(p) for p, _ in items))
+        self._order.append(batch)
         self.stage_next()
 
     def stage_next(self) -> bool:
@@ -175,16 +176,10 @@ class GradientRelease:
         staged state. Returns whether anything was staged."""
         staged = False
         end = min(len(self._order) + self._ahead, len(self._last_order))
-        state = self.engine.state
         for position in range(max(len(self._order), self._staged_to), end):
             entry = self._buckets.get(self._last_order[position])
-            if entry is None:
-                continue
-            buckets = [b for b in entry[0] if b.plan["offload"] and not b.first and
-                       all(s is state.get(k) for k, s in zip(b.keys, b.states))]
-            if buckets:
-                self.engine.schedule.stage(buckets)
-                staged = True
+            if entry is not None:
+                staged |= self.engine.schedule.stage([b for b in entry[0] if self._current(b)])
         self._staged_to = max(self._staged_to, end)
         return staged
 
@@ -195,14 +190,14 @@ class GradientRelease:
             info = self._infos.get(id(param))
         return info
 
-    def step_params(self, items) -> None:
+    def step_params(self, items, batch: tuple) -> None:
         """Update these ``(param, ParamInfo)`` now on the paths the engine's router picks, the same
         as in ``step()`` (no step count advance: ``step()`` does that once). The fused kernels skip
         NaN/inf blocks on the device, as in ``step()``, with no host synchronisation; only the other
         paths check on the host. A batch's fused buckets are kept for its next release while
-        nothing they depend on changes (:meth:`_cached_buckets`)."""
+        nothing they depend on changes (:meth:`_cached_buckets`); ``batch``: the ids of the
+        batch's parameters, its cache key."""
         engine = self.engine
-        batch = tuple(id(p) for p, _ in items)
         cached = self._cached_buckets(batch, items)
         if cached is not None:
             engine.schedule.run(cached)
@@ -242,12 +237,15 @@ class GradientRelease:
         if entry is None:
             return None
         buckets, keys = entry
-        state = self.engine.state
-        if any(b.first or any(s is not state.get(k) for k, s in zip(b.keys, b.states)) for b in buckets) or \
-                keys != self._bucket_keys(items):
+        if not all(map(self._current, buckets)) or keys != self._bucket_keys(items):
             del self._buckets[batch]
             return None
         return buckets
+
+    def _current(self, bucket) -> bool:
+        """Whether a kept bucket still holds its parameters' state objects and has launched once."""
+        state = self.engine.state
+        return not bucket.first and all(s is state.get(k) for k, s in zip(bucket.keys, bucket.states))
 
     def forget_buckets(self) -> None:
         """Drop the kept buckets (the engine's plan was invalidated: state loaded, moved or recast)."""

@@ -171,14 +171,16 @@ class StepSchedule:
             self.engine.transfers.h2d_bytes += plan.moved
         self.area.staged(Slab(buffer, plan, streams.event(streams.h2d)), [key_of[i] for i in plan.indices], backward)
 
-    def stage(self, buckets) -> None:
+    def stage(self, buckets) -> bool:
         """Gradient release: upload the offloaded state of a released batch's kept ``buckets`` now,
         ahead of the batch (the previous step's order predicts it; see
         :meth:`~optstate_core.schedule.release.GradientRelease.flush`), so that its update finds the
         state on the device instead of streaming it through the ring while backward waits. Only
         buckets last run in the previous step are staged: each slab's upload waits for that run's
         write-back (events only), the last write of those host rows, and nothing updated since
-        (one update per parameter per step). :meth:`run` consumes the copies."""
+        (one update per parameter per step). :meth:`run` consumes the copies. Returns whether
+        anything was staged."""
+        staged = False
         for b in buckets:
             written = self._written.get(id(b)) if b.plan["offload"] else None
             if written is None or written[0] != self.engine.step_count - 1:
@@ -186,6 +188,8 @@ class StepSchedule:
             items = [(i, id(k)) for i, k in enumerate(b.keys) if id(k) not in self.area.entries]
             if items:
                 self._upload(b, items, backward=True, after=written[1])
+                staged = True
+        return staged
 
     def index_offloaded(self, buckets) -> None:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks); the
