@@ -7,6 +7,8 @@ import torch
 import optstate_core as oc
 from optstate_core.state.master_weights import cast_model
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _model(seed=0):
     torch.manual_seed(seed)
@@ -201,6 +203,44 @@ def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_s
     assert torch.equal(o0.last_grad_norm, o1.last_grad_norm) and float(o1.last_grad_norm) > 0.05
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("preset,dtype", [("8bit", torch.float32), ("4bit", torch.float32), ("bf16w-4bit-lean", None),
+                                          ("bf16w-8bit", None), ("8bit", torch.float16)])
+@pytest.mark.parametrize("mode", ["per_tensor", "previous"])
+def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, monkeypatch):
+    """Released batches on the fused path are clipped as the kernels read their gradients (no pass
+    over them): bit for bit the same run with each gradient scaled in place first, for fp32, bf16
+    and fp16 gradients, per tensor and by the previous step's norm; per tensor also bit for bit
+    the run without release that clips in step(). (On CUDA when there is one: the kernels' own rounding.)"""
+    from optstate_core.schedule.release import GradientRelease
+    from optstate_core.step.fused_launch import KernelLauncher
+
+    batches = [b * 30 for b in _batches(4)]  # large gradients: clipping is active
+    folded = []
+    launch = KernelLauncher.launch
+
+    def counting_launch(self, bucket, *args, **kwargs):
+        folded.append(self.engine.grad_scales is not None)
+        return launch(self, bucket, *args, **kwargs)
+
+    monkeypatch.setattr(KernelLauncher, "launch", counting_launch)
+    clip = GradientRelease._clip
+    runs = []
+    for release, fold in ((True, True), (True, False), (False, False)):
+        if not fold:  # every gradient scaled in place by _clip, none by the kernels
+            monkeypatch.setattr(GradientRelease, "_clip", lambda self, grads, fold=None: clip(self, grads))
+        model, weights = _model_for(preset)
+        model = model.to(DEVICE, dtype)
+        folded.clear()
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, fused=True, release_gradients=release,
+                      max_grad_norm=0.05, clip_mode=mode, **({"release_bucket_bytes": 4096} if release else {}))
+        _run(model, opt, [b.to(DEVICE, dtype or weights) for b in batches], release=release)
+        assert any(folded) == fold and len(folded) > 4  # several batches, each launched
+        runs.append(model)
+    for other in (runs[1], runs[2]) if mode == "per_tensor" else (runs[1],):
+        for p, q in zip(runs[0].parameters(), other.parameters()):
+            assert torch.equal(p, q)
 
 
 def test_release_and_clip_options_are_validated():

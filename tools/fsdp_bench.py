@@ -15,7 +15,14 @@ FSDP2 keeps a trained model referenced): run one configuration per invocation to
 ``--optimizers`` takes benchmark contender names instead (``optstate bench --peak-bytes``'s:
 ``adamw``, presets with ``+release``/``+offload``/``+budget<bytes>``; ``bf16w-*`` presets get bf16
 weights and gradient release, clipping at 1.0); ``--model`` a named shape (``0.95b``, ``8b``),
-built with activation checkpointing.
+built with activation checkpointing. ``none`` / ``none-bf16`` have no optimizer and free each
+sharded gradient in the hook FSDP2 calls after its reduce-scatter: the lowest peak any gradient
+release can reach on that model and batch (what is left is weights, activations and FSDP2's own
+buffers).
+
+Peaks are per phase (forward with the loss, backward, step with ``zero_grad``), each from
+``torch.cuda.reset_peak_memory_stats()`` at the phase's start, the highest over the timed
+iterations: they tell whether a lower gradient footprint can lower the iteration's peak at all.
 """
 import argparse
 import gc
@@ -131,41 +138,56 @@ def main():
         params = list(model.parameters())
         n_local = sum(p._local_tensor.numel() for p in params)
         n_global = sum(p.numel() for p in params)
+        undo = None
         if shape is not None:
             opt = contenders.build(build, params, model, max_grad_norm=1.0 if build.release else None)
+            if opt is None:  # none / none-bf16: each gradient freed after its reduce-scatter, nothing updated
+                undo = contenders.free_gradients_in_hooks(params)
         else:
             opt = build(params)
         tokens = torch.randint(0, vocab, (args.batch, args.seq), device=device,
                                generator=torch.Generator(device).manual_seed(rank))
         iters, steps, hosts, after_backward = [], [], [], []
+        phase_peaks = [0.0, 0.0, 0.0]  # forward + loss, backward, step + zero_grad
+        autocast = shape is None or build.autocast
         for i in range(args.warmup + args.steps):
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=shape is None or build.autocast):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=tokens, labels=tokens).loss
+            peaks = [torch.cuda.max_memory_allocated()]
+            torch.cuda.reset_peak_memory_stats()
             loss.backward()
+            peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
             if i >= args.warmup:  # what backward leaves for step(): gradients (none if released), leftovers
                 after_backward.append(torch.cuda.memory_allocated() / 2**30)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             h0 = time.perf_counter()
-            opt.step()
+            if opt is not None:
+                opt.step()
             h1 = time.perf_counter()
             end.record()
-            opt.zero_grad(set_to_none=True)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
             if i >= args.warmup:
+                phase_peaks = [max(a, b / 2**30) for a, b in zip(phase_peaks, peaks)]
                 iters.append((time.perf_counter() - t0) * 1e3)
                 steps.append(start.elapsed_time(end))
                 hosts.append((h1 - h0) * 1e3)
         if args.profile and label == "optstate int8 resident":
             profile_iterations(model, opt, tokens, args.profile, rank)
         held = state_bytes(opt) if hasattr(opt, "state") else 0
-        peak = torch.cuda.max_memory_allocated() / 2**30
         rows.append((label, statistics.median(steps), statistics.median(hosts), statistics.median(iters), held,
-                     held * 8 / n_local, peak, max(after_backward), loss.item()))
+                     held * 8 / n_local, phase_peaks, max(after_backward), loss.item()))
         if hasattr(opt, "close"):
             opt.close()
+        if undo is not None:
+            undo()
         del model, opt, params, loss
         gc.collect()  # torch's FSDP2 still keeps a trained model referenced after this (BENCHMARKS.md section
         torch.cuda.empty_cache()  # 23): the next rows carry its weights, so compare memory one configuration a run
@@ -178,11 +200,13 @@ def main():
               f"({n_local / 1e9:.3f}B per rank), batch {args.batch}x{args.seq} per rank, {how}, "
               f"torch {torch.__version__}")
         print("| configuration | optimizer step ms | x fused | step() host ms | iteration ms | x fused "
-              "| optimizer GPU MiB per rank | bits/param (local) | peak GiB | allocated after backward GiB | last loss |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for label, s, host, it, held, bits, peak, after, loss in rows:
+              "| optimizer GPU MiB per rank | bits/param (local) | peak GiB | peak in forward / backward / step GiB "
+              "| allocated after backward GiB | last loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, s, host, it, held, bits, peaks, after, loss in rows:
             print(f"| {label} | {s:.2f} | {s / ref_step:.2f} | {host:.2f} | {it:.1f} | {it / ref_iter:.2f} "
-                  f"| {held / 2**20:.0f} | {bits:.2f} | {peak:.2f} | {after:.2f} | {loss:.3f} |")
+                  f"| {held / 2**20:.0f} | {bits:.2f} | {max(peaks):.2f} | {' / '.join(f'{p:.2f}' for p in peaks)} "
+                  f"| {after:.2f} | {loss:.3f} |")
     dist.barrier()
     dist.destroy_process_group()
 

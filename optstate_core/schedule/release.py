@@ -106,7 +106,7 @@ class GradientRelease:
         self.last_grad_norm: Optional[torch.Tensor] = None  # global norm of the last step, pre-clip
         self._scale: Optional[torch.Tensor] = None  # the previous step's clip factor ("previous")
         self._norms = []  # this step's per-gradient norms so far (fp32 vectors, one per clipped list; pre-clip)
-        self._scaled = None  # ``_scale`` cast for the gradients of this step: (device, dtype, tensor)
+        self._scaled = None  # ``_scale`` cast for the gradients of this step: (device, dtype, tensor, its fp32 copy)
         self._infos: Dict[int, object] = {}
         self._buckets: Dict[tuple, tuple] = {}  # ids of a batch's params -> (its buckets, their keys)
         self._pending = []  # (param, ParamInfo) released, waiting for their batch's update
@@ -159,10 +159,8 @@ class GradientRelease:
                 items.sort(key=lambda item: item[1].index)
                 self._exact_norm = torch.nn.utils.clip_grad_norm_([p for p, _ in items], self.max_grad_norm,
                                                                   foreach=None)
-            else:
-                self._clip([p.grad for p, _ in items])
             batch = tuple(id(p) for p, _ in items)
-            self.step_params(items, batch)
+            self.step_params(items, batch, clip=not whole)
         for p, _ in items:
             p.grad = None
         self._order.append(batch)
@@ -190,28 +188,37 @@ class GradientRelease:
             info = self._infos.get(id(param))
         return info
 
-    def step_params(self, items, batch: tuple) -> None:
+    def step_params(self, items, batch: tuple, clip: bool = False) -> None:
         """Update these ``(param, ParamInfo)`` now on the paths the engine's router picks, the same
         as in ``step()`` (no step count advance: ``step()`` does that once). The fused kernels skip
         NaN/inf blocks on the device, as in ``step()``, with no host synchronisation; only the other
         paths check on the host. A batch's fused buckets are kept for its next release while
         nothing they depend on changes (:meth:`_cached_buckets`); ``batch``: the ids of the
-        batch's parameters, its cache key."""
+        batch's parameters, its cache key. ``clip``: note the gradients' norms and clip them by
+        this step's rule first (:meth:`_clip`); the fused kernels apply the factors as they read
+        the gradients, the other paths get scaled gradients."""
         engine = self.engine
         cached = self._cached_buckets(batch, items)
-        if cached is not None:
-            engine.schedule.run(cached)
-            engine._plan_cache = None
-            return
-        engine.assign_residency(only_new=True)
-        routes = engine.router.route(collect(items, engine.state))
-        engine.run_unfused(routes)
-        buckets = engine.fused.build(routes.fused) if routes.fused else []
-        if buckets:
-            engine.schedule.run(buckets)  # launched once: no longer a first step, so reusable
-            if len(routes.fused) == len(items):
-                self._buckets[batch] = (buckets, self._bucket_keys(items))
-        engine._plan_cache = None  # step() plans afresh (its parameters' gradients changed)
+        routes = None
+        if cached is None:
+            engine.assign_residency(only_new=True)
+            routes = engine.router.route(collect(items, engine.state))
+        scales = None
+        if clip:
+            fused = None if routes is None else {id(w.key) for w, _ in routes.fused}  # kept: all fused
+            scales, alive = self._clip([p.grad for p, _ in items],  # alive: the factors, until launched
+                                       [id(p) if fused is None or id(p) in fused else None for p, _ in items])
+        if routes is not None:
+            engine.run_unfused(routes)
+            cached = engine.fused.build(routes.fused) if routes.fused else []
+        if cached:
+            engine.grad_scales = scales or None
+            try:
+                engine.schedule.run(cached)
+            finally:
+                engine.grad_scales = None
+            if routes is not None and len(routes.fused) == len(items):  # launched once: now reusable
+                self._buckets[batch] = (cached, self._bucket_keys(items))
 
     # -- the per-batch bucket cache ----------------------------------------------------------------
     def _bucket_keys(self, items) -> list:
@@ -265,27 +272,45 @@ class GradientRelease:
         ("previous"; "auto" under FSDP2), rather than per tensor."""
         return self.clip_mode == "previous" or (self.clip_mode == "auto" and self.group is not None)
 
-    def _clip(self, grads) -> None:
+    def _clip(self, grads, fold=None):
         """Note the norms of ``grads`` (pre-clip) and clip them by this step's rule, a few launches
         for the whole list (grouped by device and dtype): the norms in one foreach launch, the
-        factors in a few, the scaling in one (a shared factor) or one per gradient."""
-        grads = [local(g) for g in grads]  # FSDP2: the local shards (no collective per parameter)
+        factors in a few, the scaling in one (a shared factor) or one per gradient. ``fold``: per
+        gradient, a key for a gradient whose factor the caller's fused kernels apply as they read
+        it (no pass over it here), else None. Returns ``({key: address of its fp32 factor}, the
+        tensors holding them)``: the factors hold the gradient dtype's rounding of themselves, so
+        the kernels' product is bit for bit the in-place multiply's."""
+        fold = fold if fold is not None else [None] * len(grads)
         groups: Dict[tuple, list] = {}
-        for g in grads:
-            groups.setdefault((g.device, g.dtype), []).append(g)
+        for g, key in zip(grads, fold):
+            g = local(g)  # FSDP2: the local shards (no collective per parameter)
+            groups.setdefault((g.device, g.dtype), []).append((g, key))
+        scales, alive = {}, []
         for (device, dtype), group in groups.items():
-            norms = torch.stack(_norms_fp32(group))
+            norms = torch.stack(_norms_fp32([g for g, _ in group]))
             self._norms.append(norms)  # summed once (norm_so_far, after_step)
             if self.max_grad_norm is None:
                 continue
+            scaled = [(j, g) for j, (g, key) in enumerate(group) if key is None]
             if self._one_step_late and self._scale is not None:
                 cached = self._scaled
                 if cached is None or cached[0] != device or cached[1] != dtype:
-                    cached = self._scaled = (device, dtype, self._scale.to(device, dtype))
-                torch._foreach_mul_(group, cached[2])
+                    factor = self._scale.to(device, dtype)
+                    cached = self._scaled = (device, dtype, factor, factor.float())
+                if scaled:
+                    torch._foreach_mul_([g for _, g in scaled], cached[2])
+                folded, stride = cached[3], 0
             else:  # per tensor (and the first step of "previous")
                 factors = torch.clamp(self.max_grad_norm / (norms + EPS), max=1.0).to(dtype)
-                torch._foreach_mul_(group, list(factors.unbind()))
+                if scaled:
+                    some = factors if len(scaled) == len(group) else factors[[j for j, _ in scaled]]
+                    torch._foreach_mul_([g for _, g in scaled], list(some.unbind()))
+                folded, stride = factors.float(), 4
+            alive.append(folded)
+            for j, (_, key) in enumerate(group):
+                if key is not None:
+                    scales[key] = folded.data_ptr() + stride * j
+        return scales, alive
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         """The 2-norm over this step's gradients so far; non-finite ones (skipped) do not count."""

@@ -101,7 +101,8 @@ class KernelLauncher:
     def __init__(self, engine, stochastic_param_rounding: bool):
         self.engine = engine
         self.stochastic_param_rounding = stochastic_param_rounding
-        self.nonfinite_device: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
+        self._skipped: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
+        self._flags = []  # this step's launches' flags, added to the counter once (end_step)
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
 
@@ -123,8 +124,30 @@ class KernelLauncher:
             entry[1] = host
         return entry[0]
 
+    @property
+    def nonfinite_device(self) -> Optional[torch.Tensor]:
+        """Parameters skipped for NaN/inf gradients so far on the fused path (a device counter)."""
+        self._fold_flags()
+        return self._skipped
+
+    @nonfinite_device.setter
+    def nonfinite_device(self, value: Optional[torch.Tensor]) -> None:
+        self._flags.clear()
+        self._skipped = value
+
+    def _fold_flags(self) -> None:
+        if self._flags:
+            flags, self._flags = self._flags, []
+            if len({f.device for f in flags}) == 1:
+                self.add_skipped(torch.cat(flags).sum())
+            else:
+                for f in flags:
+                    self.add_skipped(f.sum())
+
     def end_step(self) -> None:
-        """Advance the device step counts that this step's launches read (before the host count)."""
+        """Advance the device step counts that this step's launches read (before the host count);
+        add the step's raised flags to the skip counter (three launches a step, not two a launch)."""
+        self._fold_flags()
         for entry in self._step_counts.values():
             if entry[1] == self.engine.step_count:
                 entry[0].add_(1)
@@ -139,13 +162,13 @@ class KernelLauncher:
         return torch.zeros(len(bucket.params), dtype=torch.int32, device=bucket.params[0].device)
 
     def count_skipped(self, flags) -> None:
-        """Add a launch's raised flags to the device counter (read when metrics are asked for)."""
+        """Add a launch's raised flags to the device counter (at the end of the step, or when read)."""
         if flags is not None:
-            self.add_skipped(flags.sum())
+            self._flags.append(flags)
 
     def add_skipped(self, count: torch.Tensor) -> None:
         """Add skips counted on the device (a launch's flags, torch's own step in passthrough_skip)."""
-        self.nonfinite_device = count if self.nonfinite_device is None else self.nonfinite_device + count
+        self._skipped = count if self._skipped is None else self._skipped + count
 
     def advance_steps(self, bucket) -> None:
         """Advance the bucket's per-parameter step counters on the device after its streamed
@@ -193,6 +216,9 @@ class KernelLauncher:
         common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
+        scales = engine.grad_scales
+        if scales is not None:  # gradient release's clip factors, applied as the gradients are read
+            common.update(GS=launch.cached_table([scales[id(k)] for k in bucket.keys], device), G_SCALE=True)
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
             V, VS = bucket.tables(1, device)

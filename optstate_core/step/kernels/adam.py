@@ -15,7 +15,7 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 import triton
 import triton.language as tl
 
-from .codec_ops import INT8, bf16_grid, int8_block_max_bits, load_state, mix32, store_state
+from .codec_ops import INT8, bf16_grid, int8_block_max_bits, load_state, mix32, round_to_bf16, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
@@ -66,6 +66,20 @@ def load_param_grad(P, G, t, elem, mask, P_KIND: tl.constexpr):
     p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
     return p_ptr, p, g
+
+
+@triton.jit
+def scale_grad(g, GS, t, P_KIND: tl.constexpr):
+    """The gradient tile times tensor ``t``'s clip factor (``GS[t]``: the address of an fp32 factor
+    that already holds the gradient dtype's rounding of it), rounded to the gradient's dtype: bit
+    for bit what ``grad.mul_(factor)`` in that dtype and a load of the result would give, with no
+    pass over the gradient (gradient release's clipping, ``fused_launch``)."""
+    g = g * tl.load(tl.load(GS + t).to(tl.pointer_type(tl.float32)))
+    if P_KIND == P_BF16:
+        g = round_to_bf16(g, 0, False)  # nearest-even by bits (the interpreter's cast truncates)
+    elif P_KIND == P_FP16:
+        g = g.to(tl.float16).to(tl.float32)
+    return g
 
 
 @triton.jit
@@ -267,7 +281,8 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
                 IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, V_POW: tl.constexpr = 0,
-                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0, TORCH_FUSED: tl.constexpr = False):
+                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0, TORCH_FUSED: tl.constexpr = False,
+                GS=0, G_SCALE: tl.constexpr = False):
     pid = tl.program_id(0)
     t, b_first = program_tile(pid, PROG_START, N_TENSORS, NBLK * ITERS, TPOW2)
     # per program (one tensor): pointers, bias corrections, rounding keys
@@ -300,6 +315,8 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                                                                ALIGNED)
         p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
         g_in = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+        if G_SCALE:  # clipped here (scale_grad); the NaN/inf checks below see the clipped gradient, as after a mul_
+            g_in = scale_grad(g_in, GS, t, P_KIND)
         if MASTER != 0:  # master weights (bf16 parameter + correction C); off: the code below is unchanged
             p = load_master(p, C, t, elem, mask, MASTER)
         g = g_in

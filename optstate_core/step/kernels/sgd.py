@@ -5,8 +5,8 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import (block_skip, load_param_grad, load_step_mix, per_block, program_tile, sr_indices, state_key,
-                   store_param, tile_offsets)
+from .adam import (block_skip, load_param_grad, load_step_mix, per_block, program_tile, scale_grad, sr_indices,
+                   state_key, store_param, tile_offsets)
 from .codec_ops import load_state, store_state
 
 
@@ -17,11 +17,13 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_S
                M_INV_POW: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
                LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False,
-               IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0):
+               IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, GS=0, G_SCALE: tl.constexpr = False):
     pid = tl.program_id(0)
     t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
+    if G_SCALE:  # clipped here (scale_grad), as after a mul_ of the gradient
+        g = scale_grad(g, GS, t, P_KIND)
     g_in = g
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
