@@ -5,7 +5,7 @@
 #     with release, and the floor (none-bf16: no optimizer, each sharded gradient dropped after its
 #     reduce-scatter), one configuration per process, with per-phase peaks (tools/fsdp_bench.py).
 #  3. 0.95B end to end (GPU 0), E2E_RUNS runs of E2E_ROWS with --clip-all (every optstate row clips
-#     at 1.0), then chrome traces of TRACE_ROWS (summaries beside them).
+#     at 1.0; OLD: a folder with an earlier optstate_core for run 2), then chrome traces of TRACE_ROWS (summaries beside them).
 # Results under $OUT ('+' in file names becomes '_').
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
@@ -25,10 +25,12 @@ for seq in ${FSDP_SEQS:-2048}; do
   done
 done
 for run in $(seq ${E2E_RUNS:-2}); do
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m optstate_core bench --e2e --clip-all --steps 10 --warmup 3 \
+  # a baseline tree (OLD=<folder holding an earlier optstate_core>) for the middle run, same machine
+  if [ -n "${OLD:-}" ] && [ "$run" = 2 ]; then path="$OLD:$PYTHONPATH"; else path="$PYTHONPATH"; fi
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$path" timeout 240 python3 -m optstate_core bench --e2e --clip-all --steps 10 --warmup 3 \
     --optimizers ${E2E_ROWS:-adamw,8bit+norelease,8bit+release,bf16w-8bit+norelease,bf16w-8bit,bf16w-4bit-lean+norelease,bf16w-4bit-lean} \
     > "$OUT/e2e_$run.txt" 2>&1
-  echo "e2e run $run rc $? $(date -u +%T)"; grep "^|" "$OUT/e2e_$run.txt"
+  echo "e2e run $run rc $? $(date -u +%T) $(PYTHONPATH="$path" python3 -c 'import optstate_core; print(optstate_core.__file__)')"; grep "^|" "$OUT/e2e_$run.txt"
 done
 if [ -n "${TRACE_ROWS:-}" ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m optstate_core bench --e2e --clip-all --steps 3 --warmup 3 \
