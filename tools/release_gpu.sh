@@ -24,13 +24,15 @@ for seq in ${FSDP_SEQS:-2048}; do
     echo "seq $seq rc $? $(date -u +%T) $(grep "^| $rows" "$OUT/fsdp_${seq}_${rows//+/_}.txt")"
   done
 done
+ROOT=$PWD
 for run in $(seq ${E2E_RUNS:-2}); do
   # a baseline tree (OLD=<folder holding an earlier optstate_core>) for the middle run, same machine
-  if [ -n "${OLD:-}" ] && [ "$run" = 2 ]; then path="$OLD:$PYTHONPATH"; else path="$PYTHONPATH"; fi
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$path" timeout 240 python3 -m optstate_core bench --e2e --clip-all --steps 10 --warmup 3 \
+  if [ -n "${OLD:-}" ] && [ "$run" = 2 ]; then dir="$ROOT/$OLD"; else dir="$ROOT"; fi
+  (cd "$dir" && CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m optstate_core bench --e2e --clip-all --steps 10 --warmup 3 \
     --optimizers ${E2E_ROWS:-adamw,8bit+norelease,8bit+release,bf16w-8bit+norelease,bf16w-8bit,bf16w-4bit-lean+norelease,bf16w-4bit-lean} \
-    > "$OUT/e2e_$run.txt" 2>&1
-  echo "e2e run $run rc $? $(date -u +%T) $(PYTHONPATH="$path" python3 -c 'import optstate_core; print(optstate_core.__file__)')"; grep "^|" "$OUT/e2e_$run.txt"
+    > "$OUT/e2e_$run.txt" 2>&1)
+  echo "e2e run $run rc $? $(date -u +%T) $(cd "$dir" && python3 -c 'import optstate_core; print(optstate_core.__file__)')"
+  grep "^|" "$OUT/e2e_$run.txt"
 done
 if [ -n "${TRACE_ROWS:-}" ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m optstate_core bench --e2e --clip-all --steps 3 --warmup 3 \
