@@ -14,12 +14,17 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.Adam`` ->
 """
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from . import interpreting
 from .codec_ops import INT8, bf16_grid, int8_block_max_bits, load_state, mix32, round_to_bf16, store_state
 
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
 P_FP16 = tl.constexpr(2)
+# compiled kernels take a product that must not fuse into a later add (an fma rounds once) from
+# libdevice's correctly rounded multiply; the interpreter (numpy) never fuses and has no libdevice
+ROUNDED_MUL = tl.constexpr(not interpreting())
 
 
 @triton.jit
@@ -74,7 +79,11 @@ def scale_grad(g, GS, t, P_KIND: tl.constexpr):
     that already holds the gradient dtype's rounding of it), rounded to the gradient's dtype: bit
     for bit what ``grad.mul_(factor)`` in that dtype and a load of the result would give, with no
     pass over the gradient (gradient release's clipping, ``fused_launch``)."""
-    g = g * tl.load(tl.load(GS + t).to(tl.pointer_type(tl.float32)))
+    f = tl.load(tl.load(GS + t).to(tl.pointer_type(tl.float32)))
+    if ROUNDED_MUL:  # fp32: the product itself, as torch's multiply gives it (no fma with what follows)
+        g = libdevice.mul_rn(g, f)
+    else:
+        g = g * f
     if P_KIND == P_BF16:
         g = round_to_bf16(g, 0, False)  # nearest-even by bits (the interpreter's cast truncates)
     elif P_KIND == P_FP16:
