@@ -58,16 +58,16 @@ for (mk, vk), aligned, first, check, fast in itertools.product(kinds, [True, Fal
                  M_INV_POW=0.5, V_INV_POW=0.25,
                  AMSGRAD=False, DECOUPLED=True, MAXIMIZE=False, FIRST=first, CHECK_FINITE=check, LR_TENSOR=False,
                  NBLK=4, ALIGNED=aligned, FAST_MATH=fast, M_POW=2 if mk == 3 else 0, V_POW=4 if vk == 3 else 0, ITERS=4, MASTER=0)
-    # gradient release's clipping inside the launch (G_SCALE), per gradient dtype (bf16 with master weights)
-    for p_kind, scale in ((0, False),) + (((0, True), (1, True), (2, True)) if (mk, vk, first) == (2, 2, False) else ()):
-        const.update(P_KIND=p_kind, G_SCALE=scale, MASTER=8 if p_kind == 1 else 0)
+    # per gradient dtype (bf16 with master weights): each rounds gradient release's clipping its own way
+    for p_kind in (0, 1, 2) if (mk, vk, first) == (2, 2, False) else (0,):
+        const.update(P_KIND=p_kind, MASTER=8 if p_kind == 1 else 0)
         s = sig(adam_kernel, dict(adam_scalars, C=PTR if const["MASTER"] else "i32"))
         for c in const:
             s[c] = "constexpr"
         k = compile_kernel(adam_kernel, s, const)
         n += 1
-        print(f"adam m={mk} v={vk} aligned={aligned} first={first} check={check} fast={fast} p_kind={p_kind} "
-              f"g_scale={scale}: {resources(k)}")
+        print(f"adam m={mk} v={vk} aligned={aligned} first={first} check={check} fast={fast} p_kind={p_kind}: "
+              f"{resources(k)}")
 compile_kernel(advance_steps_kernel, sig(advance_steps_kernel, {}), {})
 for lr_tensor in (False, True):
     s = sig(bias_corrections_kernel, {"CORR": "*fp32", "lr_ptr": "*fp32", "lr": "fp32", "ln_beta1": "fp32",
@@ -75,13 +75,13 @@ for lr_tensor in (False, True):
     const = {"LR_TENSOR": lr_tensor, "ADVANCE": True, "STEP_ONLY": False}
     s.update({k: "constexpr" for k in const})
     compile_kernel(bias_corrections_kernel, s, const)
-for aligned, scale in ((True, False), (False, False), (True, True)):
+for aligned in (True, False):
     s = sig(sgd_kernel, {"STEP": "*i64", "lr": "fp32", "momentum": "fp32", "dampening": "fp32", "weight_decay": "fp32",
                          "lr_ptr": "*fp32", "m_levels": "*fp32", "m_mids": "*fp32", "m_lut": "*fp32",
                          "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32"})
     c = dict(TPOW2=256, P_KIND=0, M_KIND=2, M_SR=False, M_LEVELS=2, M_INV_POW=0.5, NESTEROV=True, MAXIMIZE=False, FIRST=False,
-             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned, M_POW=0, G_SCALE=scale)
+             CHECK_FINITE=True, LR_TENSOR=False, NBLK=4, ALIGNED=aligned, M_POW=0)
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)
-    print(f"sgd aligned={aligned} g_scale={scale}: {resources(k)}")
-print(f"compiled {n + 6} kernels for sm_{args.arch}")
+    print(f"sgd aligned={aligned}: {resources(k)}")
+print(f"compiled {n + 5} kernels for sm_{args.arch}")

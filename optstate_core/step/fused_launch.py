@@ -216,9 +216,9 @@ class KernelLauncher:
         common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
-        scales = engine.grad_scales
-        if scales is not None:  # gradient release's clip factors, applied as the gradients are read
-            common.update(GS=launch.cached_table([scales[id(k)] for k in bucket.keys], device), G_SCALE=True)
+        scales = engine.grad_scales  # gradient release's clip factors, applied as the gradients are read
+        common.update(GS=launch.cached_table([scales[id(k)] for k in bucket.keys] if scales is not None else
+                                             [_one(device).data_ptr()] * n, device))
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
             V, VS = bucket.tables(1, device)
@@ -323,6 +323,14 @@ class KernelLauncher:
 
 _BETAS: Dict[tuple, torch.Tensor] = {}
 _DUMMIES: Dict[tuple, torch.Tensor] = {}
+
+
+def _one(device) -> torch.Tensor:
+    """An fp32 1.0: the clip factor of every gradient a launch does not clip (see ``scale_grad``)."""
+    key = (str(device), "one")
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.ones(1, dtype=torch.float32, device=device)
+    return _DUMMIES[key]
 
 
 def _dummy(device, dtype=torch.float32) -> torch.Tensor:

@@ -76,11 +76,13 @@ def load_param_grad(P, G, t, elem, mask, P_KIND: tl.constexpr):
 @triton.jit
 def scale_grad(g, GS, t, P_KIND: tl.constexpr):
     """The gradient tile times tensor ``t``'s clip factor (``GS[t]``: the address of an fp32 factor
-    that already holds the gradient dtype's rounding of it), rounded to the gradient's dtype: bit
-    for bit what ``grad.mul_(factor)`` in that dtype and a load of the result would give, with no
-    pass over the gradient (gradient release's clipping, ``fused_launch``)."""
+    that already holds the gradient dtype's rounding of it; 1.0 when nothing clips in the launch),
+    rounded to the gradient's dtype: bit for bit what ``grad.mul_(factor)`` in that dtype and a
+    load of the result would give, with no pass over the gradient (gradient release's clipping,
+    ``fused_launch``). Every launch multiplies, so a launch that clips and one over gradients
+    clipped beforehand run the same code (the compiler's fused multiply-adds included)."""
     f = tl.load(tl.load(GS + t).to(tl.pointer_type(tl.float32)))
-    if ROUNDED_MUL:  # fp32: the product itself, as torch's multiply gives it (no fma with what follows)
+    if ROUNDED_MUL:  # the product itself, as torch's multiply gives it (no fma with what follows)
         g = libdevice.mul_rn(g, f)
     else:
         g = g * f
@@ -291,7 +293,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
                 IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, V_POW: tl.constexpr = 0,
                 ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0, TORCH_FUSED: tl.constexpr = False,
-                GS=0, G_SCALE: tl.constexpr = False):
+                GS=0):
     pid = tl.program_id(0)
     t, b_first = program_tile(pid, PROG_START, N_TENSORS, NBLK * ITERS, TPOW2)
     # per program (one tensor): pointers, bias corrections, rounding keys
@@ -324,8 +326,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                                                                ALIGNED)
         p = tl.load(p_ptr + elem, mask=mask, other=0.0).to(tl.float32)
         g_in = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
-        if G_SCALE:  # clipped here (scale_grad); the NaN/inf checks below see the clipped gradient, as after a mul_
-            g_in = scale_grad(g_in, GS, t, P_KIND)
+        g_in = scale_grad(g_in, GS, t, P_KIND)  # clipped here; the NaN/inf checks see it clipped, as after a mul_
         if MASTER != 0:  # master weights (bf16 parameter + correction C); off: the code below is unchanged
             p = load_master(p, C, t, elem, mask, MASTER)
         g = g_in

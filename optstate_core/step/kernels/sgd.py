@@ -17,13 +17,12 @@ def sgd_kernel(P, G, M, MS, FLAGS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_S
                M_INV_POW: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr,
                LR_TENSOR: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr = False,
-               IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, GS=0, G_SCALE: tl.constexpr = False):
+               IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, GS=0):
     pid = tl.program_id(0)
     t, b0 = program_tile(pid, PROG_START, N_TENSORS, NBLK, TPOW2)
     elem, mask, pair, pmask, s8, s4, s4mask = tile_offsets(t, b0, COLS, NBR, NBLOCKS, NBLK, ALIGNED)
     p_ptr, p, g = load_param_grad(P, G, t, elem, mask, P_KIND)
-    if G_SCALE:  # clipped here (scale_grad), as after a mul_ of the gradient
-        g = scale_grad(g, GS, t, P_KIND)
+    g = scale_grad(g, GS, t, P_KIND)  # clipped here (1.0: nothing clips), as after a mul_ of the gradient
     g_in = g
     if LR_TENSOR:
         lr = tl.load(lr_ptr)
