@@ -243,6 +243,21 @@ def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, 
             assert torch.equal(p, q)
 
 
+def test_step_after_a_released_backward_reuses_its_plan(monkeypatch):
+    """step() after a released backward has no gradient left to plan for: it plans once, then
+    reuses that (empty) plan each step instead of planning every parameter afresh."""
+    from optstate_core.schedule.engine import Engine
+
+    planned = []
+    plan_and_run = Engine._plan_and_run
+    monkeypatch.setattr(Engine, "_plan_and_run", lambda self, sig: planned.append(1) or plan_and_run(self, sig))
+    model = _model()
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "8bit", fused=True, release_gradients=True,
+                  max_grad_norm=0.05, release_bucket_bytes=4096)
+    _run(model, opt, [b * 30 for b in _batches(4)], release=True)
+    assert opt.step_count == 4 and len(planned) == 1
+
+
 def test_release_and_clip_options_are_validated():
     params = list(_model().parameters())
     with pytest.raises(ValueError, match="clip_mode='global'"):
