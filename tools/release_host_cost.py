@@ -1,6 +1,7 @@
 """Host cost of gradient release: Python and dispatch time per released parameter, without the GPU.
 
-    python tools/release_host_cost.py [--preset bf16w-4bit-lean] [--layers 16] [--steps 20] [--profile 25]
+    python tools/release_host_cost.py [--preset bf16w-4bit-lean] [--layers 16] [--steps 20] [--profile 25] \
+        [--max-grad-norm 1.0 --batches 8]
     python tools/release_host_cost.py --device cuda      # on a GPU: the same loop with the real kernels
 
 With release, every parameter is updated from its own post-accumulate-grad hook: one plan, one
@@ -54,8 +55,10 @@ def run(args) -> dict:
         stub_kernels()
     params = [torch.nn.Parameter((torch.randn(s) * 0.02).to(device, torch.bfloat16))
               for s in shapes(args.layers, args.hidden, args.ffn, args.vocab)]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    bucket = {} if args.batches is None else {"release_bucket_bytes": -(-grad_bytes // args.batches)}
     opt = oc.wrap(torch.optim.AdamW(params, lr=1e-4), args.preset, fused=True, release_gradients=True,
-                  max_grad_norm=args.max_grad_norm)
+                  max_grad_norm=args.max_grad_norm, **bucket)
     schedule = opt._engine.schedule
     grads = [torch.randn(p.shape, device=device).to(torch.bfloat16) for p in params]
 
@@ -86,6 +89,7 @@ def run(args) -> dict:
             one_step()
         profiler.disable()
     print(f"release host cost: {len(params)} parameters, preset {args.preset}, max_grad_norm {args.max_grad_norm}, "
+          f"batches {args.batches or 'default'}, "
           f"device {device}{' (kernels stubbed)' if device.type == 'cpu' else ''}, torch {torch.__version__}")
     print(f"| host ms per step (median of {args.steps}) | us per parameter | min ms | max ms |")
     print("|---:|---:|---:|---:|")
@@ -105,6 +109,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--batches", type=int, default=None,
+                        help="release in about this many batches a step (release_bucket_bytes = gradient bytes / N; "
+                             "the 0.95B model takes 8 at the default 256 MiB); default: wrap's default bucket")
     parser.add_argument("--clone-grads", action="store_true", help="a new gradient tensor every step, as autograd makes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions by own time")
