@@ -205,14 +205,20 @@ def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_s
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("preset,dtype", [("8bit", torch.float32), ("4bit", torch.float32), ("bf16w-4bit-lean", None),
-                                          ("bf16w-8bit", None), ("8bit", torch.float16)])
-@pytest.mark.parametrize("mode", ["per_tensor", "previous"])
-def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, monkeypatch):
+_CLIP_CASES = [(preset, dtype, mode, False) for mode in ("per_tensor", "previous")
+               for preset, dtype in (("8bit", torch.float32), ("4bit", torch.float32), ("bf16w-4bit-lean", None),
+                                     ("bf16w-8bit", None), ("8bit", torch.float16))]
+
+
+@pytest.mark.parametrize("preset,dtype,mode,nan", _CLIP_CASES + [("bf16w-4bit-lean", None, "per_tensor", True),
+                                                                 ("8bit", torch.float32, "previous", True)])
+def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, nan, monkeypatch):
     """Released batches on the fused path are clipped as the kernels read their gradients (no pass
     over them): bit for bit the same run with each gradient scaled in place first, for fp32, bf16
     and fp16 gradients, per tensor and by the previous step's norm; per tensor also bit for bit
-    the run without release that clips in step(). (On CUDA when there is one: the kernels' own rounding.)"""
+    the run without release that clips in step(). ``nan``: one step's first-layer gradient is
+    NaN (its norm and factor too): the same parameters are skipped. (On CUDA when there is one:
+    the kernels' own rounding.)"""
     from optstate_core.schedule.release import GradientRelease
     from optstate_core.step.fused_launch import KernelLauncher
 
@@ -232,14 +238,23 @@ def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, 
             monkeypatch.setattr(GradientRelease, "_clip", lambda self, grads, fold=None: clip(self, grads))
         model, weights = _model_for(preset)
         model = model.to(DEVICE, dtype)
+        if nan:
+            calls = []  # the third backward's gradient only
+
+            def third_is_nan(g):
+                calls.append(1)
+                return g.fill_(float("nan")) if len(calls) == 3 else g
+
+            model[0].weight.register_hook(third_is_nan)
         folded.clear()
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), preset, fused=True, release_gradients=release,
                       max_grad_norm=0.05, clip_mode=mode, **({"release_bucket_bytes": 4096} if release else {}))
         _run(model, opt, [b.to(DEVICE, dtype or weights) for b in batches], release=release)
         assert any(folded) == fold and len(folded) > 4  # several batches, each launched
-        runs.append(model)
+        runs.append((model, opt.memory_report()["nonfinite_skipped"]))
     for other in (runs[1], runs[2]) if mode == "per_tensor" else (runs[1],):
-        for p, q in zip(runs[0].parameters(), other.parameters()):
+        assert other[1] == runs[0][1] == (1 if nan else 0)
+        for p, q in zip(runs[0][0].parameters(), other[0].parameters()):
             assert torch.equal(p, q)
 
 
