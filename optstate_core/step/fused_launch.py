@@ -217,8 +217,8 @@ class KernelLauncher:
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
         scales = engine.grad_scales  # gradient release's clip factors, applied as the gradients are read
-        common.update(GS=launch.cached_table([scales[id(k)] for k in bucket.keys] if scales is not None else
-                                             [_one(device).data_ptr()] * n, device))
+        GS = launch.cached_table([scales[id(k)] for k in bucket.keys] if scales is not None else
+                                 [_one(device).data_ptr()] * n, device)
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
             V, VS = bucket.tables(1, device)
@@ -229,7 +229,7 @@ class KernelLauncher:
             torch_fused = bool(plan.get("torch_fused"))
             CORR = self._bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
             adam_kernel[(n_prog,)](
-                P, G, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
+                P, G, GS, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
                 tpow2, lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), *self._tables(v_codec, device),
@@ -243,7 +243,7 @@ class KernelLauncher:
                 maxnreg=maxnreg, **self._master(bucket, device), **common)
         else:
             sgd_kernel[(n_prog,)](
-                P, G, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                P, G, GS, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),

@@ -281,7 +281,7 @@ def torch_fused_moments(m, v, g, beta1, beta2):
 
 
 @triton.jit
-def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
+def adam_kernel(P, G, GS, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                 m_levels, m_mids, m_lut, v_levels, v_mids, v_lut,
@@ -292,8 +292,7 @@ def adam_kernel(P, G, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 FIRST: tl.constexpr, CHECK_FINITE: tl.constexpr, LR_TENSOR: tl.constexpr,
                 NBLK: tl.constexpr, ALIGNED: tl.constexpr = False, FAST_MATH: tl.constexpr = False,
                 IDX32: tl.constexpr = False, M_POW: tl.constexpr = 0, V_POW: tl.constexpr = 0,
-                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0, TORCH_FUSED: tl.constexpr = False,
-                GS=0):
+                ITERS: tl.constexpr = 1, C=0, MASTER: tl.constexpr = 0, TORCH_FUSED: tl.constexpr = False):
     pid = tl.program_id(0)
     t, b_first = program_tile(pid, PROG_START, N_TENSORS, NBLK * ITERS, TPOW2)
     # per program (one tensor): pointers, bias corrections, rounding keys
