@@ -29,29 +29,20 @@ or writer syncs first).
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Union
 
 import torch
 
-from ..state.units import parse_bytes
+from ..state.units import env_count, parse_bytes
 
 AUTO = "auto"
 AUTO_FRACTION = 0.9  # of the memory the first measured backward freed
 PHASES = ("backward", "step", "behind_forward")
 
 
-def _slab_bytes() -> int:
-    """``OPTSTATE_SLAB_MB`` (a positive integer of MiB, default 64) in bytes."""
-    value = os.environ.get("OPTSTATE_SLAB_MB", "64")
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"OPTSTATE_SLAB_MB must be a positive integer (MiB per slab), got {value!r}")
-    return int(value) << 20
-
-
 # bytes of queued state that start a slab upload: large enough that a step makes few allocations
 # and copy calls (a 0.95B model's int8 state: ~30 slabs), small enough that uploads start early
-SLAB_BYTES = _slab_bytes()
+SLAB_BYTES = env_count("OPTSTATE_SLAB_MB", 64, 1, "a positive integer (MiB per slab)") << 20
 
 
 def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str]:

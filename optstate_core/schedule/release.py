@@ -42,13 +42,13 @@ parameter across ranks (other paths), as without release.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, Optional
 
 import torch
 from torch.autograd import Variable
 
 from ..state.dtensor import is_dtensor, local
+from ..state.units import env_count
 from ..step.gradients import collect
 from ..step.inner import group_signature
 
@@ -68,12 +68,7 @@ DEFAULT_STAGE_AHEAD = 2
 def stage_ahead() -> int:
     """``OPTSTATE_STAGE_AHEAD``: released batches staged ahead (0: off, every released batch then
     streams through the staging ring, to measure what staging gains), else :data:`DEFAULT_STAGE_AHEAD`."""
-    value = os.environ.get("OPTSTATE_STAGE_AHEAD")
-    if value is None:
-        return DEFAULT_STAGE_AHEAD
-    if not value.strip().isdigit():
-        raise ValueError(f"OPTSTATE_STAGE_AHEAD must be an integer >= 0 (0 turns staging off), got {value!r}")
-    return int(value)
+    return env_count("OPTSTATE_STAGE_AHEAD", DEFAULT_STAGE_AHEAD, 0, "an integer >= 0 (0 turns staging off)")
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):

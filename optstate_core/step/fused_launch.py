@@ -14,6 +14,7 @@ import torch
 
 from ..state.codecs import Int4Codec
 from ..state.codecs.rounding import state_seed
+from ..state.units import env_count
 from .inner import decoupled_decay
 from .kernels import launch
 
@@ -35,18 +36,8 @@ LAUNCH_SHAPES = {  # state kind -> (NBLK, num_warps, ITERS, maxnreg) of the Adam
 }
 
 
-def _env_count(name: str, default: int, least: int) -> int:
-    """An integer environment override (at least ``least``), or ``default`` when unset."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if not value.strip().isdigit() or int(value) < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    return int(value)
-
-
 for _kind, _shape in LAUNCH_SHAPES.items():
-    LAUNCH_SHAPES[_kind] = tuple(_env_count(name, value, least) for name, value, least in zip(
+    LAUNCH_SHAPES[_kind] = tuple(env_count(name, value, least) for name, value, least in zip(
         ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG"), _shape, (1, 1, 1, 0)))
 
 
