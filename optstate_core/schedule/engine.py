@@ -83,9 +83,6 @@ class Engine:
         self.backward_check = BackwardCheck()
         self.check_in_backward = False  # wrap(check_in_backward=...)
         self._plan_cache = None
-        # {id(param): address of its fp32 clip factor} while gradient release launches a batch whose
-        # clipping the kernels apply as they read the gradients (release.py); None otherwise
-        self.grad_scales = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
 

@@ -198,20 +198,17 @@ class GradientRelease:
         if cached is None:
             engine.assign_residency(only_new=True)
             routes = engine.router.route(collect(items, engine.state))
-        scales = None
+        factors = {}
         if clip:
             fused = None if routes is None else {id(w.key) for w, _ in routes.fused}  # kept: all fused
-            scales, alive = self._clip([p.grad for p, _ in items],  # alive: the factors, until launched
-                                       [id(p) if fused is None or id(p) in fused else None for p, _ in items])
+            factors = self._clip([p.grad for p, _ in items],
+                                 [id(p) if fused is None or id(p) in fused else None for p, _ in items])
         if routes is not None:
             engine.run_unfused(routes)
             cached = engine.fused.build(routes.fused) if routes.fused else []
         if cached:
-            engine.grad_scales = scales or None
-            try:
+            with engine.kernels.clip_factors(factors):
                 engine.schedule.run(cached)
-            finally:
-                engine.grad_scales = None
             if routes is not None and len(routes.fused) == len(items):  # launched once: now reusable
                 self._buckets[batch] = (cached, self._bucket_keys(items))
 
@@ -272,15 +269,16 @@ class GradientRelease:
         for the whole list (grouped by device and dtype): the norms in one foreach launch, the
         factors in a few, the scaling in one (a shared factor) or one per gradient. ``fold``: per
         gradient, a key for a gradient whose factor the caller's fused kernels apply as they read
-        it (no pass over it here), else None. Returns ``({key: address of its fp32 factor}, the
-        tensors holding them)``: the factors hold the gradient dtype's rounding of themselves, so
-        the kernels' product is bit for bit the in-place multiply's."""
+        it (no pass over it here), else None. Returns ``{key: (fp32 tensor, index of its factor)}``
+        for :meth:`~optstate_core.step.fused_launch.KernelLauncher.clip_factors`: the factors hold
+        the gradient dtype's rounding of themselves, so the kernels' product is bit for bit the
+        in-place multiply's."""
         fold = fold if fold is not None else [None] * len(grads)
         groups: Dict[tuple, list] = {}
         for g, key in zip(grads, fold):
             g = local(g)  # FSDP2: the local shards (no collective per parameter)
             groups.setdefault((g.device, g.dtype), []).append((g, key))
-        scales, alive = {}, []
+        factors_of = {}
         for (device, dtype), group in groups.items():
             norms = torch.stack(_norms_fp32([g for g, _ in group]))
             self._norms.append(norms)  # summed once (norm_so_far, after_step)
@@ -294,18 +292,17 @@ class GradientRelease:
                     cached = self._scaled = (device, dtype, factor, factor.float())
                 if scaled:
                     torch._foreach_mul_([g for _, g in scaled], cached[2])
-                folded, stride = cached[3], 0
+                folded, shared = cached[3], True
             else:  # per tensor (and the first step of "previous")
                 factors = torch.clamp(self.max_grad_norm / (norms + EPS), max=1.0).to(dtype)
                 if scaled:
                     some = factors if len(scaled) == len(group) else factors[[j for j, _ in scaled]]
                     torch._foreach_mul_([g for _, g in scaled], list(some.unbind()))
-                folded, stride = factors.float(), 4
-            alive.append(folded)
+                folded, shared = factors.float(), False
             for j, (_, key) in enumerate(group):
                 if key is not None:
-                    scales[key] = folded.data_ptr() + stride * j
-        return scales, alive
+                    factors_of[key] = (folded, 0 if shared else j)
+        return factors_of
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         """The 2-norm over this step's gradients so far; non-finite ones (skipped) do not count."""

@@ -6,6 +6,7 @@ so a fused step never synchronises with the host and needs no collective.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Dict, Optional
@@ -94,6 +95,7 @@ class KernelLauncher:
         self.stochastic_param_rounding = stochastic_param_rounding
         self._skipped: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
         self._flags = []  # this step's launches' flags, added to the counter once (end_step)
+        self._factors: Optional[dict] = None  # gradient release's clip factors (clip_factors)
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
 
@@ -114,6 +116,17 @@ class KernelLauncher:
             entry[0].fill_(host)
             entry[1] = host
         return entry[0]
+
+    @contextlib.contextmanager
+    def clip_factors(self, factors: dict):
+        """Launches inside multiply each gradient by its clip factor as they read it: ``factors``
+        maps ``id(param)`` to ``(fp32 tensor, index)`` (gradient release's ``_clip``; the tensors
+        stay alive until the launches are queued); outside, and for an empty map, by 1.0."""
+        self._factors = factors or None
+        try:
+            yield
+        finally:
+            self._factors = None
 
     @property
     def nonfinite_device(self) -> Optional[torch.Tensor]:
@@ -207,9 +220,9 @@ class KernelLauncher:
         common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
-        scales = engine.grad_scales  # gradient release's clip factors, applied as the gradients are read
-        GS = launch.cached_table([scales[id(k)] for k in bucket.keys] if scales is not None else
-                                 [_one(device).data_ptr()] * n, device)
+        factors = self._factors  # gradient release's clip factors, applied as the gradients are read
+        GS = launch.cached_table([f.data_ptr() + 4 * i for f, i in (factors[id(k)] for k in bucket.keys)]
+                                 if factors is not None else [_one(device).data_ptr()] * n, device)
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
             V, VS = bucket.tables(1, device)
