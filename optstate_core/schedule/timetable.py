@@ -250,18 +250,19 @@ class StepSchedule:
         # end_step): within a step chunks are disjoint, so uploads and write-backs overlap (PCIe
         # duplex), also across the per-parameter runs of gradient release.
         work = []
+        ready = {}  # id(slab) -> its copy's event, for the slabs holding this step's staged state
         for b in streamed:
             flags = kernels.new_flags(b)
-            pre = [i for i in range(len(b.keys)) if self._staged_for(b, i)] \
-                if self.area.entries else []  # nothing staged (prefetch off): no per-parameter lookups
+            pre = []
+            if self.area.entries:  # nothing staged (prefetch off): no per-parameter lookups
+                for i in range(len(b.keys)):
+                    entry = self._staged_entry(b, i)
+                    if entry is not None:
+                        pre.append(i)
+                        ready[id(entry.slab)] = entry.slab.ready
             work.append((b, flags, pre))
-        if any(pre for _, _, pre in work):  # the updates wait for their own slabs' copies, not for
-            # later uploads already queued on the stream (gradient release stages batches ahead)
-            ready = {}
-            for b, _, pre in work:
-                for i in pre:
-                    slab = self.area.entries[id(b.keys[i])].slab
-                    ready[id(slab)] = slab.ready
+        if ready:  # the updates wait for their own slabs' copies, not for later uploads already
+            # queued on the stream (gradient release stages batches ahead)
             for event in ready.values():
                 streams.wait(None, event)
             self.area.mark("upload_end", lambda: streams.event(streams.h2d))
@@ -343,16 +344,14 @@ class StepSchedule:
             streams.wait(streams.h2d, event)
             self._h2d_after = event
 
-    def _staged_for(self, bucket, i) -> bool:
-        """Whether parameter ``i`` of ``bucket`` has a staged copy of its current state (a copy
-        of state objects since replaced is discarded)."""
+    def _staged_entry(self, bucket, i):
+        """The staged copy of parameter ``i`` of ``bucket``'s current state, else None (a copy of
+        state objects since replaced is discarded)."""
         entry = self.area.entries.get(id(bucket.keys[i]))
-        if entry is None:
-            return False
-        if not entry.matches(bucket.storages[i]):
+        if entry is not None and not entry.matches(bucket.storages[i]):
             del self.area.entries[id(bucket.keys[i])]
-            return False
-        return True
+            return None
+        return entry
 
     # -- phase 3: behind the next forward; streams and the ring ---------------------------------------
     def streams(self, device) -> Streams:
