@@ -28,7 +28,10 @@ def memory_report(engine, param_groups) -> dict:
     gradients released, call it between backward and ``step`` to see them at zero), and
     ``prefetch`` (:meth:`~optstate_core.schedule.prefetch.PrefetchArea.report`: the prefetch area's budget,
     bytes staged in the last step, bytes moved per phase ``backward``/``step``/``behind_forward``,
-    and on CUDA the spans of the copies that ran beside compute, ``hidden_ms``).
+    and on CUDA the spans of the copies that ran beside compute, ``hidden_ms``), ``granularity``
+    (how the wrapped optimizer is called: ``"elementwise"``, ``"tensor"`` or ``"step"``, see
+    :mod:`optstate_core.step.granularity`) and ``transient_bytes`` (the full-precision state decoded
+    at once in the last step beyond what is stored: one chunk, or with ``"step"`` every parameter's).
     """
     device_bytes = host_bytes = 0
     by_codec: Dict[str, int] = {}
@@ -75,6 +78,8 @@ def memory_report(engine, param_groups) -> dict:
         "training_bytes": training,
         "device_bytes_per_param": (sum(v["device"] for v in training.values()) / n_params) if n_params else 0.0,
         "prefetch": engine.schedule.area.report(),
+        "granularity": engine.granularity,
+        "transient_bytes": engine.metrics.peak_materialized_bytes,
     }
 
 

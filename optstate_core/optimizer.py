@@ -12,7 +12,9 @@ from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options, check_release_supported
-from .step.inner import NOT_ELEMENTWISE
+from .step.granularity import resolve as resolve_granularity
+from .step.session import install_session_methods
+from .step.wrappable import check_wrappable
 from .state.units import parse_bytes
 
 log = logging.getLogger("optstate")
@@ -54,8 +56,16 @@ class VirtualOptimizer(torch.optim.Optimizer):
             of reading them once more in the step (default False: the step gets faster, a
             training iteration did not reliably; README: NaN/inf gradients).
         seed: seed of the counter-based hash used by stochastic rounding.
-        elementwise: whether the inner update is elementwise (tiles allowed). Default: known
-            for torch.optim's elementwise optimizers, False for any other optimizer.
+        granularity: which subsets of its parameters the optimizer may be called on:
+            ``"elementwise"`` (tiles of tensors), ``"tensor"`` (whole tensors, several calls a
+            step) or ``"step"`` (one call over every parameter, so group values it keeps and
+            reductions over all parameters match the unwrapped optimizer; the decoded state of
+            every parameter is alive during that call). Default: the registry's entry for the
+            optimizer's class (:mod:`optstate_core.step.granularity`), else ``"step"``. A choice
+            finer than the registry's is checked on the first two steps against a whole step
+            (on copies) and refused with a ``ValueError`` if they differ.
+        elementwise: the older spelling: ``True`` is ``granularity="elementwise"``, ``False``
+            ``"tensor"``.
         named_parameters: ``model.named_parameters()`` or the model, for name-based rules and
             messages.
         profile: accepted for torch-optstate compatibility (timings are always collected).
@@ -101,7 +111,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  initial_chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = None,
                  pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, check_in_backward: bool = False,
                  seed: int = 0,
-                 elementwise: Optional[bool] = None, named_parameters=None, profile: bool = False,
+                 elementwise: Optional[bool] = None, granularity: Optional[str] = None, named_parameters=None, profile: bool = False,
                  observe_closure_loss: bool = True, fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
                  staging_bytes="256MB", prefetch_budget=None, prefetch_during_backward: Optional[bool] = None,
@@ -109,14 +119,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                  max_grad_norm=None, clip_mode: str = "auto"):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("optimizer: LBFGS re-evaluates the closure inside step() and keeps global "
-                             "(not per-parameter) state; it cannot be wrapped")
-        if isinstance(optimizer, torch.optim.SparseAdam):
-            raise ValueError("optimizer: SparseAdam steps sparse gradients, and optstate keeps dense state only; "
-                             "it cannot be wrapped (wrap Adam/AdamW for the dense parameters instead)")
+        check_wrappable(optimizer)
         if policy is None:
             policy = default_policy()
         if not isinstance(policy, Policy):
@@ -169,11 +172,16 @@ class VirtualOptimizer(torch.optim.Optimizer):
         release_bucket_bytes = parse_bytes(release_bucket_bytes, "release_bucket_bytes", allow_zero=True)
         if release_gradients and prefetch_budget == AUTO and not prefetch_during_backward:
             prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
-        if elementwise is not None and not isinstance(elementwise, bool):
-            raise ValueError(f"elementwise must be None, True or False, got {elementwise!r}")
-        if elementwise and isinstance(optimizer, NOT_ELEMENTWISE):
+        granularity, check_granularity = resolve_granularity(optimizer, granularity, elementwise)
+        if granularity == "elementwise" and type(optimizer).__name__ in ("Adafactor", "Muon") and \
+                type(optimizer).__module__.startswith("torch.optim"):
             raise ValueError(f"elementwise=True: {type(optimizer).__name__}'s update needs whole tensors (factored "
                              "statistics or an orthogonalization), so its parameters cannot be stepped in tiles")
+        if release_gradients and granularity == "step":
+            raise ValueError(f"release_gradients=True: {type(optimizer).__name__} is stepped in one call over every "
+                             "parameter (granularity 'step': it is not known to update each parameter on its own), "
+                             "so no parameter can be updated alone in its backward hook. Use it without release, "
+                             "or pass granularity='elementwise'/'tensor' if its update is (checked on the first steps)")
         if chunk_size is None and chunk_size_on_cuda is not None and any(
                 p.is_cuda for g in optimizer.param_groups for p in g["params"]):
             chunk_size = chunk_size_on_cuda
@@ -182,9 +190,10 @@ class VirtualOptimizer(torch.optim.Optimizer):
 
         engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
                         initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
-                        skip_nonfinite=skip_nonfinite, seed=seed, elementwise=elementwise, names=names,
+                        skip_nonfinite=skip_nonfinite, seed=seed, granularity=granularity, names=names,
                         fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
-                        staging_bytes=staging_bytes, prefetch_budget=prefetch_budget)
+                        staging_bytes=staging_bytes, prefetch_budget=prefetch_budget,
+                        check_granularity=check_granularity)
         engine.placement.offload_all = offload
         engine.check_in_backward = check_in_backward
         engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode,
@@ -204,6 +213,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self.state = engine.state
         optimizer.state = engine.state
         engine.observe_closure_loss = observe_closure_loss
+        install_session_methods(engine)  # train(), eval(), ...: they see their decoded state
         if release_gradients:  # prefetch hooks are registered when offloaded state is first planned
             engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
@@ -275,10 +285,21 @@ class VirtualOptimizer(torch.optim.Optimizer):
         return master_weights.export_masters(self._engine, self.param_groups, exported, device=device)
 
     def train(self, mode: bool = True):
+        """The wrapped optimizer's ``train()`` (``eval()`` with ``mode=False``) when it has one
+        (schedule-free optimizers), run on its decoded state; otherwise nothing."""
         fn = getattr(self._engine.inner, "train" if mode else "eval", None)
         if callable(fn):
             fn()
         return self
+
+    def __getattr__(self, name: str):
+        """Public attributes the wrapped optimizer has and the wrapper lacks (its own methods run on
+        their decoded state). Private names are never forwarded: ``_step_supports_amp_scaling`` on
+        a fused optimizer would make GradScaler hand its scale to the wrapper."""
+        engine = self.__dict__.get("_engine")
+        if engine is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(engine.inner, name)
 
     def eval(self):
         return self.train(False)

@@ -1,7 +1,8 @@
 """optstate for the Hugging Face Trainer.
 
 ``import optstate_hf`` registers ``optim="optstate_adamw"`` (and ``_8bit``, ``_4bit``,
-``_offload``) with the installed transformers; ``OptStateCallback`` handles warmup switching,
+``_offload``, ...), ``"optstate_lion..."`` and ``"optstate_schedule_free_adamw..."`` with the installed
+transformers; ``OptStateCallback`` handles warmup switching,
 accumulation boundaries and metrics. Import it before building ``HfArgumentParser`` or
 unpickling ``training_args.bin``.
 """
@@ -12,7 +13,7 @@ import logging
 from .args import KEYS as OPTIM_ARGS_KEYS
 from .args import OptimArgs, parse_optim_args
 from .callback import OptStateCallback, find_virtual_optimizer
-from .optimizer import OptStateAdamW, optimizer_cls_and_kwargs
+from .optimizer import OptStateAdamW, OptStateLion, OptStateScheduleFreeAdamW, optimizer_cls_and_kwargs
 from .registration import OPTIM_NAMES, RegistrationError, is_registered, register
 
 try:
@@ -20,5 +21,5 @@ try:
 except RegistrationError as e:  # a transformers without the hooks: the fallback still works
     logging.getLogger("optstate.hf").warning("%s", e)
 
-__all__ = ["OptStateAdamW", "OptStateCallback", "OptimArgs", "OPTIM_ARGS_KEYS", "OPTIM_NAMES", "RegistrationError",
+__all__ = ["OptStateAdamW", "OptStateLion", "OptStateScheduleFreeAdamW", "OptStateCallback", "OptimArgs", "OPTIM_ARGS_KEYS", "OPTIM_NAMES", "RegistrationError",
            "find_virtual_optimizer", "is_registered", "optimizer_cls_and_kwargs", "parse_optim_args", "register"]

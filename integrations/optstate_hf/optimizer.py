@@ -1,4 +1,5 @@
-"""The optimizer class the Trainer instantiates: ``optstate_core.OptStateAdamW`` + ``optim_args``."""
+"""The optimizer classes the Trainer instantiates: AdamW, Lion or schedule-free AdamW wrapped with a
+preset + ``optim_args``."""
 from __future__ import annotations
 
 import logging
@@ -22,29 +23,88 @@ class OptStateAdamW(oc.OptStateAdamW):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, preset: str = "default", optim_args=None, max_grad_norm=None,
                  **adamw_kwargs):
-        options: OptimArgs = parse_optim_args(optim_args)
-        wrap_options = options.wrap_options()
-        if max_grad_norm is not None:
-            wrap_options["max_grad_norm"] = max_grad_norm
+        policy, wrap_options = _wrapped(preset, optim_args, max_grad_norm)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         policy=options.policy(preset), wrap_options=wrap_options, **adamw_kwargs)
-        if self.release_gradients:  # release only on micro-batches that end in a step: Accelerate's flag
-            from accelerate.state import GradientState
-            state = GradientState()
-            self.bind_step_boundary(lambda: bool(getattr(state, "sync_gradients", True)))
+                         policy=policy, wrap_options=wrap_options, **adamw_kwargs)
+        _bind_release_boundary(self)
 
 
-def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None):
-    """``(OptStateAdamW, kwargs)`` from ``TrainingArguments`` (lr, betas, eps, weight decay):
-    what ``optim="optstate_adamw..."`` builds, for ``Trainer(optimizer_cls_and_kwargs=...)``.
-    ``optim_args`` defaults to ``args.optim_args``; it is validated here."""
+def _bind_release_boundary(optimizer) -> None:
+    """Release only on micro-batches that end in a step: Accelerate's flag says which."""
+    if optimizer.release_gradients:
+        from accelerate.state import GradientState
+        state = GradientState()
+        optimizer.bind_step_boundary(lambda: bool(getattr(state, "sync_gradients", True)))
+
+
+def _wrapped(preset: str, optim_args, max_grad_norm):
+    """``(policy, wrap options)`` for a VirtualOptimizer around ``inner`` from a preset and ``optim_args``."""
+    options: OptimArgs = parse_optim_args(optim_args)
+    wrap_options = options.wrap_options()
+    if max_grad_norm is not None:
+        wrap_options["max_grad_norm"] = max_grad_norm
+    return options.policy(preset), wrap_options
+
+
+class OptStateLion(oc.VirtualOptimizer):
+    """lion-pytorch's ``Lion`` with virtualized state (``optim="optstate_lion..."``), built as
+    ``cls(param_groups, **kwargs)`` by the Trainer; betas are the Trainer's Adam betas."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
+                 preset: str = "default", optim_args=None, max_grad_norm=None):
+        try:
+            from lion_pytorch import Lion
+        except ImportError as e:
+            raise ImportError("optim='optstate_lion...' needs lion-pytorch: pip install lion-pytorch "
+                              "(or optstate[thirdparty])") from e
+        policy, wrap_options = _wrapped(preset, optim_args, max_grad_norm)
+        super().__init__(Lion(params, lr=lr, betas=betas, weight_decay=weight_decay), policy, **wrap_options)
+        _bind_release_boundary(self)
+
+
+class OptStateScheduleFreeAdamW(oc.VirtualOptimizer):
+    """schedulefree's ``AdamWScheduleFree`` with virtualized state (``optim="optstate_schedule_free_adamw..."``):
+    the Trainer's lr, betas, eps, weight decay and ``warmup_steps``, as its own ``schedule_free_adamw``.
+    The Trainer calls its ``train()``/``eval()``; they run on the decoded state."""
+
+    def __init__(self, params, lr: float = 0.0025, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 warmup_steps: int = 0, *, preset: str = "default", optim_args=None, max_grad_norm=None):
+        try:
+            from schedulefree import AdamWScheduleFree
+        except ImportError as e:
+            raise ImportError("optim='optstate_schedule_free_adamw...' needs schedulefree: pip install schedulefree "
+                              "(or optstate[thirdparty])") from e
+        policy, wrap_options = _wrapped(preset, optim_args, max_grad_norm)
+        inner = AdamWScheduleFree(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                  warmup_steps=warmup_steps)
+        super().__init__(inner, policy, **wrap_options)
+
+
+CLASSES = {"adamw": OptStateAdamW, "lion": OptStateLion, "schedule_free_adamw": OptStateScheduleFreeAdamW}
+
+
+def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None, family: str = "adamw"):
+    """``(class, kwargs)`` from ``TrainingArguments`` (lr, betas, eps, weight decay; schedule-free:
+    ``warmup_steps`` too): what ``optim="optstate_adamw..."`` (``family="adamw"``), ``"optstate_lion..."``
+    (``"lion"``) or ``"optstate_schedule_free_adamw..."`` (``"schedule_free_adamw"``) builds, for
+    ``Trainer(optimizer_cls_and_kwargs=...)``. ``optim_args`` defaults to ``args.optim_args``; it is
+    validated here."""
+    if family not in CLASSES:
+        raise ValueError(f"family must be one of {', '.join(CLASSES)}, got {family!r}")
     options = parse_optim_args(args.optim_args if optim_args is None else optim_args)
     options.policy(preset)  # validate the preset and the policy arguments now, not at first step
-    kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
-              "weight_decay": args.weight_decay, "preset": preset, "optim_args": options}
+    kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "weight_decay": args.weight_decay,
+              "preset": preset, "optim_args": options}
+    if family != "lion":
+        kwargs["eps"] = args.adam_epsilon
+    if family == "schedule_free_adamw":
+        kwargs["warmup_steps"] = args.warmup_steps
+        if options.get("release_gradients"):
+            raise ValueError("optim_args release_gradients=true: schedule-free AdamW is stepped in one call over "
+                             "every parameter, so gradients cannot be released in backward")
     if options.get("release_gradients"):
         kwargs["max_grad_norm"] = route_max_grad_norm(args)
-    return OptStateAdamW, kwargs
+    return CLASSES[family], kwargs
 
 
 def route_max_grad_norm(args, optimizer=None):

@@ -34,7 +34,9 @@ from .follow import follow_params, remember_params
 from ..step.fused import FusedPath
 from ..step.fused_launch import KernelLauncher
 from ..step.gradients import all_finite, collect, split_nonfinite
-from ..step.inner import ELEMENTWISE, group_signature, run_inner
+from ..step.granularity import CHECKED_STEPS, check_against_whole
+from ..step.inner import group_signature, run_inner
+from ..step.session import run_whole_step
 from ..step.router import Router
 from .placement import Placement
 from ..policy import ParamInfo, Policy
@@ -55,9 +57,9 @@ class Engine:
 
     def __init__(self, inner: torch.optim.Optimizer, policy: Policy, *, chunk_bytes: int, chunk_size: Optional[int],
                  initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
-                 elementwise: Optional[bool], names: Dict[int, str], fused: Optional[bool] = None,
+                 granularity: str, names: Dict[int, str], fused: Optional[bool] = None,
                  stochastic_param_rounding: bool = False, gpu_budget=None, staging_bytes: int = 256 * 2**20,
-                 prefetch_budget="auto"):
+                 prefetch_budget="auto", check_granularity: bool = False):
         self.inner = inner
         self.policy = policy
         self.state = StateMap()
@@ -68,7 +70,9 @@ class Engine:
         self.pin_memory = pin_memory
         self.skip_nonfinite = skip_nonfinite
         self.seed = seed
-        self.elementwise = isinstance(inner, ELEMENTWISE) if elementwise is None else bool(elementwise)
+        self.granularity = granularity  # see step/granularity.py
+        self.elementwise = granularity == "elementwise"
+        self.check_granularity = check_granularity  # the user's granularity, checked on the first steps
         self.names = names
         self.observe_closure_loss = True
         self.metrics = StepMetrics()
@@ -136,6 +140,27 @@ class Engine:
     # -- a step --------------------------------------------------------------------------------
     def step(self) -> None:
         t0 = time.perf_counter()
+        if self.granularity == "step":
+            follow_params(self)
+            self.metrics = StepMetrics()
+            run_whole_step(self)
+            remember_params(self)
+            buckets = []
+        else:
+            buckets = self._plan_step()
+        if buckets:
+            t = time.perf_counter()
+            self.schedule.run(buckets)
+            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
+        self.kernels.end_step()  # the device's step count (rounding stream) first
+        self.step_count += 1
+        self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
+        self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+
+    def _plan_step(self):
+        """Route, run the reference paths, return the fused buckets (a cached plan when it holds)."""
+        if self.check_granularity and self.step_count < CHECKED_STEPS:
+            self._check_granularity()
         signature = self._signature()  # parameters' dtype and device included: a cast misses the cache
         cached = self._cached_plan(signature)
         if cached is None:
@@ -147,14 +172,21 @@ class Engine:
         else:
             buckets, passthrough, on_device, cpu_plans = cached
             self._run_cpu_and_passthrough(cpu_plans, passthrough, on_device)
-        if buckets:
-            t = time.perf_counter()
-            self.schedule.run(buckets)
-            self.metrics.inner_step_ms += (time.perf_counter() - t) * 1e3
-        self.kernels.end_step()  # the device's step count (rounding stream) first
-        self.step_count += 1
-        self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
-        self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+        return buckets
+
+    def _check_granularity(self) -> None:
+        """The granularity the user declared gives what one call over all parameters gives (on
+        copies; nothing changes), or the step is refused with what differs."""
+        from ..state.checkpoint import decoded_param_state
+        works = collect(self.param_infos(), self.state)
+        params = [w.key for w in works if w.grad.numel()]
+        states = [decoded_param_state(self.state.get(p, {}), p.device, p) for p in params]
+        states = [{k: v for k, v in st.items() if k != "master_correction"} for st in states]
+        problem = check_against_whole(self.inner, self.granularity, params, states) if params else None
+        if problem is not None:
+            raise ValueError(f"granularity={self.granularity!r}: {type(self.inner).__name__} is not "
+                             f"{self.granularity}-wise on this step: {problem} when stepped in pieces. Leave "
+                             "granularity unset (one call over every parameter) or choose a coarser one")
 
     def _plan_and_run(self, signature):
         """Plan this step from scratch; run the reference paths; return the fused buckets."""

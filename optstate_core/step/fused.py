@@ -1,8 +1,8 @@
 """The fused path's routing: which parameters the Triton kernels can take, grouped into launch buckets.
 
 A parameter goes to the kernels when it is on CUDA (or on the CPU under ``TRITON_INTERPRET=1``
-with ``fused=True``), the inner optimizer is ``torch.optim.Adam``/``AdamW`` or ``SGD`` with
-momentum, its codecs are fp32/bf16/int8/4-bit on the device, and its stored state already has
+with ``fused=True``), the inner optimizer is ``torch.optim.Adam``/``AdamW``, ``SGD`` with
+momentum or lion-pytorch's ``Lion``, its codecs are fp32/bf16/int8/4-bit on the device, and its stored state already has
 those codecs (a codec switch, e.g. at the end of warmup, goes through the reference path once).
 Everything else falls back to the reference path; the first time a reason applies it is
 logged once. One launch covers every parameter of a bucket (same group, codecs, dtype, first
@@ -47,6 +47,15 @@ def state_kind(codec) -> Optional[int]:
     return None
 
 
+def is_lion(inner) -> bool:
+    """lion-pytorch's ``Lion`` with its own (torch) update function, which the Lion kernel reproduces."""
+    cls = type(inner)
+    if f"{cls.__module__}.{cls.__qualname__}" != "lion_pytorch.lion_pytorch.Lion":
+        return False
+    update = getattr(inner, "update_fn", None)
+    return getattr(update, "__module__", None) == "lion_pytorch.lion_pytorch" and update.__name__ == "update_fn"
+
+
 class FusedPath:
     """Eligibility of parameters for the kernels, and their grouping into buckets."""
 
@@ -81,8 +90,11 @@ class FusedPath:
             kind, keys = "adam", ADAM_KEYS
         elif type(inner) is torch.optim.SGD:
             kind, keys = "sgd", ("momentum_buffer",)
+        elif is_lion(inner):
+            kind, keys = "lion", ("exp_avg",)
         else:
-            return self._fallback(f"{type(inner).__name__} has no fused kernel (Adam, AdamW and SGD do)")
+            return self._fallback(f"{type(inner).__name__} has no fused kernel (Adam, AdamW, SGD and "
+                                  "lion-pytorch's Lion do)")
         group = inner.param_groups[w.info.group_index]
         if group.get("differentiable"):
             return self._fallback("differentiable=True")
@@ -91,6 +103,8 @@ class FusedPath:
         if kind == "adam" and group.get("amsgrad"):
             keys = keys + ("max_exp_avg_sq",)
         lr = group["lr"]
+        if kind == "lion" and isinstance(lr, torch.Tensor):
+            return self._fallback("Lion with a tensor lr")
         if isinstance(lr, torch.Tensor) and (lr.device != p.device or lr.numel() != 1 or lr.dtype != torch.float32):
             return self._fallback("a tensor lr that is not a float32 scalar on the parameter's device")
         if p.dtype not in P_KINDS or p.is_complex():

@@ -1,4 +1,4 @@
-"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD), NaN/inf flags, step counters.
+"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD/Lion), NaN/inf flags, step counters.
 
 One launch covers every parameter of a bucket. A 256-element block whose gradient holds a NaN/inf
 is skipped inside the update kernel (README: NaN/inf gradients) and its parameter's flag raised,
@@ -188,6 +188,7 @@ class KernelLauncher:
         launch has and counts its own. ``advance``: the step counts too (streamed pieces leave
         that to :meth:`advance_steps` after the last piece)."""
         from .kernels.adam import adam_kernel
+        from .kernels.lion import lion_kernel
         from .kernels.sgd import sgd_kernel
 
         engine, plan, params = self.engine, bucket.plan, bucket.params
@@ -245,6 +246,17 @@ class KernelLauncher:
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
                 maxnreg=maxnreg, **self._master(bucket, device), **common)
+        elif plan["kind"] == "lion":
+            beta1, beta2 = (float(b) for b in group["betas"])
+            wd = float(group["weight_decay"])
+            if getattr(engine.inner, "decoupled_wd", False):
+                wd /= engine.inner._init_lr
+            lion_kernel[(n_prog,)](
+                P, G, GS, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                1.0 - lr_val * wd, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host, as lion-pytorch
+                *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
+                M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
+                **{k: v for k, v in common.items() if k not in ("LR_TENSOR", "MAXIMIZE")})
         else:
             sgd_kernel[(n_prog,)](
                 P, G, GS, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,

@@ -1,4 +1,4 @@
-"""Running the wrapped torch optimizer's own update on chosen tensors (shadow groups, lent state)."""
+"""Running the wrapped torch optimizer's own update on chosen tensors (its real groups, lent state)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -40,26 +40,34 @@ class TileState(dict):
         return value
 
 
-def run_inner(inner: torch.optim.Optimizer, items, state: Optional[dict] = None) -> None:
+def run_inner(inner: torch.optim.Optimizer, items, state: Optional[dict] = None, groups=None) -> None:
     """Run ``inner``'s update on ``(tensor, state dict, group index)`` items.
 
-    The inner optimizer sees shadow copies of the live groups (same hyper-parameters, only these
-    tensors), so the shared group dicts are never modified. ``state``: the mapping the inner
-    optimizer reads (the real ``optimizer.state``); None lends it each item's own state dict.
+    The inner optimizer sees its real group dicts (what it writes there, a ``step`` or an estimate,
+    persists), each holding only these tensors for the call: the ``params`` lists are swapped in
+    and put back. ``state``: the mapping the inner optimizer reads (the real ``optimizer.state``);
+    None lends it each item's own state dict. ``groups``: the group dicts to use (default: the
+    inner optimizer's own).
     """
-    groups_by_index: Dict[int, List[torch.Tensor]] = {}
+    groups = inner.param_groups if groups is None else groups
+    tensors_by_group: Dict[int, List[torch.Tensor]] = {}
     for tensor, _, gi in items:
-        groups_by_index.setdefault(gi, []).append(tensor)
-    shadow = [dict(inner.param_groups[gi], params=ts) for gi, ts in groups_by_index.items()]
+        tensors_by_group.setdefault(gi, []).append(tensor)
+    chosen = [groups[gi] for gi in tensors_by_group]
+    saved_params = [g["params"] for g in chosen]
     saved_groups, saved_state = inner.param_groups, inner.state
     if state is None:
         state = TileState()
         for tensor, st, _ in items:
             state[tensor] = st
     try:
-        inner.param_groups = shadow
+        for g, tensors in zip(chosen, tensors_by_group.values()):
+            g["params"] = tensors
+        inner.param_groups = chosen
         inner.state = state
         unhooked_step(inner)(inner)
     finally:
+        for g, params in zip(chosen, saved_params):
+            g["params"] = params
         inner.param_groups = saved_groups
         inner.state = saved_state

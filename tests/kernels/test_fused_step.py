@@ -356,3 +356,15 @@ def test_small_launches_loop_less_to_fill_the_gpu(monkeypatch):
     assert fused_launch.loops_for(16384, 4, 2, 2, cuda) == 1  # the same in int8: 4096 programs
     assert fused_launch.loops_for(8, 1, 16, 1, cuda) == 1
     assert fused_launch.loops_for(16384, 1, 16, 1, torch.device("cpu")) == 16
+
+
+@pytest.mark.parametrize("kw", [dict(lr=1e-3), dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.1),
+                                dict(lr=1e-3, weight_decay=1.0, decoupled_weight_decay=True)],
+                         ids=["plain", "betas-wd", "decoupled-wd"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
+def test_lion_matches_reference(kw, codec):
+    """lion-pytorch's Lion: the fused kernel against decode -> Lion -> encode, first step and later."""
+    lion = pytest.importorskip("lion_pytorch").Lion
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0)  # noqa: E731
+    run_pair(lion, kw, pol)
+    run_pair(lion, kw, pol, steps_before=0)
