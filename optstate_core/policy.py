@@ -25,6 +25,8 @@ CodecSpec = Union[str, Codec, None]
 SIGNED_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "sum", "acc_delta",
                               "variance"})  # Adafactor's unfactored second moment (1-D tensors)
+#: parameter-shaped iterates (schedule-free's ``z``): lossless unless ``iterate_codec`` says otherwise
+ITERATE_KEYS = frozenset({"z"})
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,9 @@ class WarmupPolicy(Policy):
         master_tier: where ``master_correction`` lives: ``"device"`` or ``"host"`` (pinned host
             memory; it streams through the staging ring at each update while the moments stay
             where ``device_resident`` says); None (default): with the moments.
+        iterate_codec: codec for parameter-shaped iterates (:data:`ITERATE_KEYS`: schedule-free's
+            ``z``), default None: fp32. ``"fp24"`` (bf16 + an 8-bit residual, 3 bytes, within
+            ``2**-15`` relative) gives them the lean master-weight treatment.
         optimizer_codecs: ``{optimizer class name: {state key: codec}}``: codecs for one
             optimizer's states that replace ``momentum_codec``/``variance_codec`` (name rules
             still come first, small tensors still take ``small_tensor_codec``). The presets use it
@@ -169,7 +174,8 @@ class WarmupPolicy(Policy):
                  small_tensor_codec: CodecSpec = None, device_resident: Optional[bool] = None,
                  momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None,
                  master_correction: CodecSpec = None, master_tier: Optional[str] = None,
-                 optimizer_codecs: Optional[Mapping[str, Mapping[str, CodecSpec]]] = None):
+                 optimizer_codecs: Optional[Mapping[str, Mapping[str, CodecSpec]]] = None,
+                 iterate_codec: CodecSpec = None):
         if master_tier not in (None, "device", "host"):
             raise ValueError(f"master_tier must be None, 'device' or 'host', got {master_tier!r}")
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
@@ -196,6 +202,7 @@ class WarmupPolicy(Policy):
             raise ValueError(f"master_correction must be one of {', '.join(MASTER_CODECS)} or None, "
                              f"got {master_correction!r}")
         self.optimizer_codecs = _parse_optimizer_codecs(optimizer_codecs)
+        self.iterate_codec = get_codec(iterate_codec)
         self._optimizer: Optional[str] = None  # the class name of the optimizer served (bind_optimizer)
         self._names: Dict[int, str] = {}
         self._cache: Dict[tuple, Codec] = {}
@@ -234,6 +241,8 @@ class WarmupPolicy(Policy):
             return "momentum"
         if key == self.variance_key or key in NONNEGATIVE_KEYS:
             return "variance"
+        if key in ITERATE_KEYS:
+            return "iterate"
         return None
 
     def active(self, step: int) -> bool:
@@ -263,7 +272,8 @@ class WarmupPolicy(Policy):
             if codec is None:
                 codec = self.optimizer_codecs.get(self._optimizer, {}).get(key)
                 if codec is None:
-                    codec = self.momentum_codec if role == "momentum" else self.variance_codec
+                    codec = {"momentum": self.momentum_codec, "variance": self.variance_codec,
+                             "iterate": self.iterate_codec}[role]
                 if not codec.lossless and info.numel < self.min_int8_elements:
                     codec = self.small_tensor_codec
             codec = codec.specialize(nonnegative=(role == "variance"))
@@ -298,11 +308,12 @@ class WarmupPolicy(Policy):
             return False
         if self.device_resident is False:
             return True
-        return any(not self._configured(info, k).lossless for k in (self.momentum_key, self.variance_key))
+        return any(not self._configured(info, k).lossless for k in (self.momentum_key, self.variance_key, *ITERATE_KEYS))
 
     def describe(self):
         master = f", master_correction={self.master_correction!r}" if self.master_correction is not None else ""
         master += f", master_tier={self.master_tier!r}" if self.master_tier is not None else ""
+        master += f", iterate={self.iterate_codec!r}" if not self.iterate_codec.lossless else ""
         return (f"{type(self).__name__}(warmup_steps={self.warmup_steps}, momentum={self.momentum_codec!r}, "
                 f"variance={self.variance_codec!r}{master})")
 

@@ -98,8 +98,47 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
     for preset in MASTER_PRESETS:
         out[f"optstate {preset}"] = Config(preset, _wrapped(preset), offloaded=preset.endswith("hostcorr"),
                                            weights=torch.bfloat16)
+    out.update(_other_optimizers(device))
     if compare:
         out.update(_third_party(device))
+    return out
+
+
+def _other_optimizers(device) -> Dict[str, Config]:
+    """Rows for the third-party optimizers with an ``optim`` name (when installed): lion-pytorch's
+    Lion (its torch update and its own Triton kernel) and schedule-free AdamW (foreach), each
+    unwrapped and wrapped; schedule-free is put in train mode when built."""
+    from ..presets import wrap
+    out = {}
+    try:
+        from lion_pytorch import Lion
+    except ImportError:
+        Lion = None
+    if Lion is not None:
+        out["lion-pytorch Lion"] = Config("lion", lambda ps: Lion(ps, lr=1e-4, weight_decay=0.1))
+        if device.type == "cuda":
+            out["lion-pytorch Lion, its Triton kernel"] = Config(
+                "lion_triton", lambda ps: Lion(ps, lr=1e-4, weight_decay=0.1, use_triton=True))
+        for preset in ("fp32", "8bit", "4bit"):
+            out[f"optstate Lion {preset}"] = Config(
+                f"lion_{preset}", lambda ps, preset=preset: wrap(Lion(ps, lr=1e-4, weight_decay=0.1), preset))
+    try:
+        from schedulefree import AdamWScheduleFree
+    except ImportError:
+        return out
+
+    def schedule_free(preset=None):
+        def build(ps):
+            inner = AdamWScheduleFree(ps, lr=1e-3, weight_decay=0.1)
+            opt = inner if preset is None else wrap(inner, preset)
+            opt.train()
+            return opt
+        return build
+
+    out["schedulefree AdamW (foreach)"] = Config("sf", schedule_free())
+    for preset in ("fp32", "8bit", "8bit-it24"):
+        out[f"optstate schedule-free AdamW {preset}"] = Config(f"sf_{preset.replace('-', '_')}",
+                                                             schedule_free(preset))
     return out
 
 
