@@ -107,7 +107,8 @@ def configs(device: torch.device, compare: bool, budget_fraction: float) -> Dict
 def _other_optimizers(device) -> Dict[str, Config]:
     """Rows for the third-party optimizers with an ``optim`` name (when installed): lion-pytorch's
     Lion (its torch update and its own Triton kernel) and schedule-free AdamW (foreach), each
-    unwrapped and wrapped; schedule-free is put in train mode when built."""
+    unwrapped and wrapped (names ``lion``, ``lion_triton``, ``lion_<preset>``, ``sf``,
+    ``sf_<preset>``); schedule-free is put in train mode when built."""
     from ..presets import wrap
     out = {}
     try:
@@ -136,7 +137,7 @@ def _other_optimizers(device) -> Dict[str, Config]:
         return build
 
     out["schedulefree AdamW (foreach)"] = Config("sf", schedule_free())
-    for preset in ("fp32", "8bit", "8bit-it24"):
+    for preset in ("fp32", "8bit", "8bit-it24", "4bit-it24"):
         out[f"optstate schedule-free AdamW {preset}"] = Config(f"sf_{preset.replace('-', '_')}",
                                                              schedule_free(preset))
     return out

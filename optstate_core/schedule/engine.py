@@ -36,6 +36,7 @@ from ..step.fused_launch import KernelLauncher
 from ..step.gradients import all_finite, collect, split_nonfinite
 from ..step.granularity import CHECKED_STEPS, check_against_whole
 from ..step.inner import group_signature, run_inner
+from ..step.schedule_free import plan_fused_step
 from ..step.session import run_whole_step
 from ..step.router import Router
 from .placement import Placement
@@ -143,9 +144,11 @@ class Engine:
         if self.granularity == "step":
             follow_params(self)
             self.metrics = StepMetrics()
-            run_whole_step(self)
+            buckets = plan_fused_step(self)  # schedule-free AdamW's kernel, when every parameter fits it
+            if buckets is None:
+                run_whole_step(self)
+                buckets = []
             remember_params(self)
-            buckets = []
         else:
             buckets = self._plan_step()
         if buckets:

@@ -154,6 +154,9 @@ class Bucket:
     def _build_tables(self, i: int, device):
         values = [s[i] for s in self.storages]
         if isinstance(values[0], EncodedTensor):
+            if "hi" in values[0].payload:  # fp24: bf16 values and their int8 residuals
+                return (launch.pointer_table([v.payload["hi"] for v in values], device),
+                        launch.pointer_table([v.payload["lo"] for v in values], device))
             name = "codes" if "codes" in values[0].payload else "data"
             return (launch.pointer_table([v.payload[name] for v in values], device),
                     launch.pointer_table([v.payload.get("scales") for v in values], device))

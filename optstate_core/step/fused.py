@@ -17,11 +17,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .bucket import Bucket, aligned_layout
-from ..state.codecs import BF16Codec, EncodedTensor, FP32Codec, Int4Codec, Int8Codec
+from ..state.codecs import BF16Codec, EncodedTensor, Float24Codec, FP32Codec, Int4Codec, Int8Codec
 from ..state.dtensor import is_dtensor, like_param, local
-from .fused_launch import BF16, FP32, INT4, INT8, P_KINDS
+from .fused_launch import BF16, FP24, FP32, INT4, INT8, P_KINDS
 from .kernels import interpreting, triton_error
 from .inner import decoupled_decay
+from .schedule_free import is_schedule_free_adamw
 from .kernels.launch import MAX_TENSORS
 from ..state.master_weights import MASTER_KEY
 from ..state.store import allocate_many
@@ -44,6 +45,8 @@ def state_kind(codec) -> Optional[int]:
         return INT8
     if isinstance(codec, Int4Codec) and codec.block_size == 128:
         return INT4
+    if isinstance(codec, Float24Codec):
+        return FP24  # schedule-free's iterate only
     return None
 
 
@@ -92,6 +95,8 @@ class FusedPath:
             kind, keys = "sgd", ("momentum_buffer",)
         elif is_lion(inner):
             kind, keys = "lion", ("exp_avg",)
+        elif is_schedule_free_adamw(inner):
+            kind, keys = "schedule_free", ("z", "exp_avg_sq")
         else:
             return self._fallback(f"{type(inner).__name__} has no fused kernel (Adam, AdamW, SGD and "
                                   "lion-pytorch's Lion do)")
@@ -103,8 +108,8 @@ class FusedPath:
         if kind == "adam" and group.get("amsgrad"):
             keys = keys + ("max_exp_avg_sq",)
         lr = group["lr"]
-        if kind == "lion" and isinstance(lr, torch.Tensor):
-            return self._fallback("Lion with a tensor lr")
+        if kind in ("lion", "schedule_free") and isinstance(lr, torch.Tensor):
+            return self._fallback(f"{type(inner).__name__} with a tensor lr")
         if isinstance(lr, torch.Tensor) and (lr.device != p.device or lr.numel() != 1 or lr.dtype != torch.float32):
             return self._fallback("a tensor lr that is not a float32 scalar on the parameter's device")
         if p.dtype not in P_KINDS or p.is_complex():
@@ -126,6 +131,10 @@ class FusedPath:
         kinds = [state_kind(c) for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
+        if (kind == "schedule_free" and kinds[0] not in (FP32, BF16, FP24)) or \
+                (FP24 in kinds and kind != "schedule_free") or (kind == "schedule_free" and FP24 in kinds[1:]):
+            return self._fallback(f"codecs {codecs!r} for {keys} of {type(inner).__name__} (the iterate z takes "
+                                  "fp32, bf16 or fp24, the moments no fp24)")
         # per state (moments, then the correction): in host memory (streamed through the staging
         # ring each step) or resident; a parameter may mix both (e.g. a host-tier correction)
         host = tuple(self.engine.tier_of(w, k) == "host" for k in keys + ((MASTER_KEY,) if master else ()))

@@ -1,4 +1,5 @@
-"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD/Lion), NaN/inf flags, step counters.
+"""Kernel launches for one bucket: the fused update (Adam/AdamW/SGD/Lion/schedule-free AdamW), NaN/inf
+flags, step counters.
 
 One launch covers every parameter of a bucket. A 256-element block whose gradient holds a NaN/inf
 is skipped inside the update kernel (README: NaN/inf gradients) and its parameter's flag raised,
@@ -19,7 +20,7 @@ from ..state.units import env_count
 from .inner import decoupled_decay
 from .kernels import launch
 
-FP32, BF16, INT8, INT4 = 0, 1, 2, 3
+FP32, BF16, INT8, INT4, FP24 = 0, 1, 2, 3, 4
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # launch shape (256-element tiles per program, warps, tiles looped over per program, register cap),
 # timed with the step table and ``optstate bench --tune`` (BENCHMARKS.md sections 10, 11, 15, 19):
@@ -98,6 +99,7 @@ class KernelLauncher:
         self._factors: Optional[dict] = None  # gradient release's clip factors (clip_factors)
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
+        self.group_scalars: Dict[int, dict] = {}  # schedule-free AdamW: this step's values per group
 
     def close(self) -> None:
         """Forget cached launch tables (they hold device pointers of freed state)."""
@@ -189,6 +191,7 @@ class KernelLauncher:
         that to :meth:`advance_steps` after the last piece)."""
         from .kernels.adam import adam_kernel
         from .kernels.lion import lion_kernel
+        from .kernels.schedule_free import schedule_free_adamw_kernel
         from .kernels.sgd import sgd_kernel
 
         engine, plan, params = self.engine, bucket.plan, bucket.params
@@ -246,6 +249,18 @@ class KernelLauncher:
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
                 maxnreg=maxnreg, **self._master(bucket, device), **common)
+        elif plan["kind"] == "schedule_free":
+            v_codec = plan["codecs"][1]
+            V, VS = bucket.tables(1, device)
+            sc = self.group_scalars[bucket.group_index]
+            schedule_free_adamw_kernel[(n_prog,)](
+                P, G, GS, M, MS, V, VS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
+                sc["lr"], sc["ckp1"], sc["y_coef"], sc["bias_correction2"], sc["eps"], sc["beta2"],
+                sc["one_minus_beta2"], sc["decay"], *self._tables(v_codec, device),
+                Z_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1], V_SR=bool(v_codec.stochastic_rounding),
+                V_LEVELS=self._n_levels(v_codec), V_INV_POW=self._inv_power(v_codec), V_POW=self._int_power(v_codec),
+                DECAY=sc["decay"] != 0, SMALL_WEIGHT=abs(sc["ckp1"]) < 0.5,
+                **{k: v for k, v in common.items() if k not in ("LR_TENSOR", "MAXIMIZE")})
         elif plan["kind"] == "lion":
             beta1, beta2 = (float(b) for b in group["betas"])
             wd = float(group["weight_decay"])

@@ -368,3 +368,51 @@ def test_lion_matches_reference(kw, codec):
     pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0)  # noqa: E731
     run_pair(lion, kw, pol)
     run_pair(lion, kw, pol, steps_before=0)
+
+
+def _schedule_free_pair(v_codec, z_codec, steps, warmup_steps=2, weight_decay=0.1):
+    """Schedule-free AdamW wrapped with the reference path and with the kernel, from the same
+    weights and gradients; returns both optimizers and parameter lists."""
+    sf = pytest.importorskip("schedulefree").AdamWScheduleFree
+    runs = []
+    for fused in (False, True):
+        ps = params()
+        pol = oc.WarmupPolicy(warmup_steps=0, variance_codec=v_codec, iterate_codec=z_codec, min_int8_elements=0)
+        opt = oc.wrap(sf(ps, lr=1e-2, warmup_steps=warmup_steps, weight_decay=weight_decay), pol, fused=fused)
+        opt.train()
+        for s in range(steps):
+            set_grads(ps, s)
+            opt.step()
+            if fused:
+                assert opt.last_step_timings["fused_params"] == len(SHAPES)
+        runs.append((opt, ps))
+    return runs
+
+
+@pytest.mark.parametrize("v_codec,z_codec", [("int8", "fp32"), ("int4", "fp32"), ("int8", "fp24"), ("bf16", "bf16")],
+                         ids=["int8-z32", "int4-z32", "int8-z24", "bf16-zbf16"])
+def test_schedule_free_adamw_matches_reference(v_codec, z_codec):
+    """schedulefree's AdamWScheduleFree (train mode, warmup, decay): the kernel against decode ->
+    AdamWScheduleFree.step -> encode over three steps (first included). Stated bound: parameters and
+    the decoded z within 1e-5 relative + 1e-6; the group values (k, lr_max, weight_sum) equal."""
+    (ref, ref_ps), (opt, ps) = _schedule_free_pair(v_codec, z_codec, steps=3)
+    for rp, p in zip(ref_ps, ps):
+        torch.testing.assert_close(p, rp, rtol=1e-5, atol=1e-6)
+        for key in ("z", "exp_avg_sq"):
+            a, b = ref.get_state(rp)[key], opt.get_state(p)[key]
+            tol = 1e-5 if key == "z" else 0.02  # v: one code step of its codec at most
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol * float(a.abs().max()))
+    for key in ("k", "lr_max", "weight_sum", "scheduled_lr"):
+        assert ref.param_groups[0][key] == opt.param_groups[0][key]
+    assert ref.param_groups[0]["k"] == 3
+
+
+def test_schedule_free_eval_and_train_after_fused_steps():
+    """eval()/train() on fused state (fp24 z) move the parameters to x and back to y."""
+    (_, _), (opt, ps) = _schedule_free_pair("int8", "fp24", steps=2)
+    y = [p.detach().clone() for p in ps]
+    opt.eval()
+    assert not all(torch.equal(a, b) for a, b in zip(y, ps))
+    opt.train()
+    for a, b in zip(y, ps):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,68 @@
+"""The fused path of schedule-free AdamW: its group values on the host, its parameters in the kernels.
+
+``AdamWScheduleFree`` keeps values in its groups (``k``, ``lr_max``, ``weight_sum``) that change once
+per step, so it is wrapped with granularity ``"step"``. When every parameter with a gradient can go
+to the kernel (``kernels/schedule_free.py``), the step is: the group values advanced exactly as the
+optimizer's ``step`` advances them (written into the real group dicts), then one launch per bucket
+with each group's scalars. Otherwise (the lossless preset, offloaded state, a codec switch, master
+weights, eval mode) the whole step runs through the optimizer itself (:func:`step.session.run_whole_step`).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from .gradients import collect
+
+SCHEDULE_FREE_ADAMW = "schedulefree.adamw_schedulefree.AdamWScheduleFree"
+
+
+def is_schedule_free_adamw(inner) -> bool:
+    cls = type(inner)
+    return f"{cls.__module__}.{cls.__qualname__}" == SCHEDULE_FREE_ADAMW
+
+
+def advance_groups(inner) -> Dict[int, dict]:
+    """Advance every group's schedule-free values for this step as ``AdamWScheduleFree.step`` does
+    (in the same float64 arithmetic) and return each group's kernel scalars."""
+    scalars = {}
+    for gi, group in enumerate(inner.param_groups):
+        beta1, beta2 = group["betas"]
+        k, warmup = group["k"], group["warmup_steps"]
+        sched = (k + 1) / warmup if k < warmup else 1.0
+        bias_correction2 = 1 - beta2 ** (k + 1)
+        lr = group["lr"] * sched
+        group["scheduled_lr"] = lr
+        lr_max = group["lr_max"] = max(lr, group["lr_max"])
+        weight = ((k + 1) ** group["r"]) * (lr_max ** group["weight_lr_power"])
+        weight_sum = group["weight_sum"] = group["weight_sum"] + weight
+        try:
+            ckp1 = weight / weight_sum
+        except ZeroDivisionError:
+            ckp1 = 0
+        group["k"] = k + 1
+        scalars[gi] = dict(lr=lr, ckp1=ckp1, y_coef=lr * (beta1 * (1 - ckp1) - 1),
+                           bias_correction2=bias_correction2, eps=group["eps"], beta2=beta2,
+                           one_minus_beta2=1 - beta2, decay=group["weight_decay"])
+    return scalars
+
+
+def plan_fused_step(engine) -> Optional[List]:
+    """The buckets of a fused schedule-free step (group values advanced), or None: the whole step
+    then runs through the optimizer (nothing changed here)."""
+    inner = engine.inner
+    if not is_schedule_free_adamw(inner) or engine.fused.mode is False:
+        return None
+    if not all(g["train_mode"] for g in inner.param_groups):
+        return None  # the optimizer's own step raises its "not in train mode" error
+    works = collect(engine.param_infos(), engine.state)
+    engine.placement.assign_residency(works, engine.step_count)
+    planned = []
+    for w in works:
+        plan = engine.fused.plan(w) or engine.fused.takes_uncompressed(w, beside=True)
+        if plan is None or plan["offload"] or plan["kind"] != "schedule_free":
+            return None
+        planned.append((w, plan))
+    if not any(any(k != 0 for k in plan["kinds"]) for _, plan in planned):
+        return None  # nothing compressed: the optimizer's own step is exact and fast
+    engine.kernels.group_scalars = advance_groups(inner)
+    return engine.fused.build(planned) if planned else []
