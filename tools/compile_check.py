@@ -12,6 +12,8 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 
 from optstate_core.step.kernels.adam import adam_kernel, advance_steps_kernel, bias_corrections_kernel
+from optstate_core.step.kernels.lion import lion_kernel
+from optstate_core.step.kernels.schedule_free import schedule_free_adamw_kernel
 from optstate_core.step.kernels.sgd import sgd_kernel
 
 parser = argparse.ArgumentParser()
@@ -84,4 +86,25 @@ for aligned in (True, False):
     s.update({k: "constexpr" for k in c})
     k = compile_kernel(sgd_kernel, s, c)
     print(f"sgd aligned={aligned}: {resources(k)}")
+one_state = {"STEP": "*i64", "FLAGS": "*i32", "PROG_START": "*i32", "N_TENSORS": "i32", "m_levels": "*fp32",
+             "m_mids": "*fp32", "m_lut": "*fp32", "v_levels": "*fp32", "v_mids": "*fp32", "v_lut": "*fp32"}
+for m_kind, first, p_kind in ((2, False, 0), (3, False, 0), (1, True, 1), (2, True, 0)):
+    s = sig(lion_kernel, dict(one_state, **{k: "fp32" for k in ("decay", "lr", "beta1", "beta2", "one_minus_beta1",
+                                                                "one_minus_beta2")}))
+    c = dict(TPOW2=256, P_KIND=p_kind, M_KIND=m_kind, M_SR=m_kind == 2, M_LEVELS=15, M_INV_POW=0.5, FIRST=first,
+             CHECK_FINITE=True, NBLK=4, ALIGNED=True, IDX32=True, M_POW=2 if m_kind == 3 else 0)
+    s.update({k: "constexpr" for k in c})
+    k = compile_kernel(lion_kernel, s, c, num_warps=2)
+    n += 1
+    print(f"lion m={m_kind} first={first} p_kind={p_kind}: {resources(k)}")
+for z_kind, v_kind, first, small in ((0, 2, False, True), (4, 2, False, False), (4, 3, True, False), (1, 1, False, True)):
+    s = sig(schedule_free_adamw_kernel, dict(one_state, **{k: "fp32" for k in (
+        "lr", "ckp1", "y_coef", "bias_correction2", "eps", "beta2", "one_minus_beta2", "decay")}))
+    c = dict(TPOW2=256, P_KIND=0, Z_KIND=z_kind, V_KIND=v_kind, V_SR=v_kind in (2, 3), V_LEVELS=16, V_INV_POW=0.25,
+             DECAY=True, SMALL_WEIGHT=small, FIRST=first, CHECK_FINITE=True, NBLK=4, ALIGNED=True, IDX32=True,
+             V_POW=4 if v_kind == 3 else 0)
+    s.update({k: "constexpr" for k in c})
+    k = compile_kernel(schedule_free_adamw_kernel, s, c, num_warps=2)
+    n += 1
+    print(f"schedule-free z={z_kind} v={v_kind} first={first}: {resources(k)}")
 print(f"compiled {n + 5} kernels for sm_{args.arch}")

@@ -17,7 +17,7 @@ from .adam import (block_skip, load_master, load_param_grad, load_step_mix, per_
                    sr_indices, state_key, store_master, store_param, tile_offsets)
 from .codec_ops import load_state, store_state
 
-FP24 = 4  # the iterate's kind beside codec_ops' FP32/BF16 (bf16 + int8 residual, see state/codecs/fp24.py)
+FP24 = tl.constexpr(4)  # the iterate's kind beside codec_ops' FP32/BF16 (bf16 + int8 residual, see state/codecs/fp24.py)
 
 
 @triton.jit
