@@ -9,8 +9,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:.:integrations || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
 git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_step.py tests/test_any_optimizer.py \
-  tests/gpu/test_cuda.py tests/gpu/test_torch_fused_exact.py 2>&1 | tail -15 > "$OUT/tests.txt"
+TESTS=${TESTS:-tests/kernels/test_fused_step.py tests/test_any_optimizer.py tests/gpu/test_cuda.py tests/gpu/test_torch_fused_exact.py}
+timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -15 > "$OUT/tests.txt"
 CONFIGS=${CONFIGS:-adamw,lion,lion_triton,lion_fp32,lion_8bit,lion_4bit,sf,sf_fp32,sf_8bit,sf_8bit_it24,sf_4bit_it24}
 for pass in ${PASSES:-1 2}; do
   timeout 200 python3 -m optstate_core bench --configs $CONFIGS --steps 10 --warmup 3 \

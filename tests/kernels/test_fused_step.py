@@ -394,13 +394,16 @@ def _schedule_free_pair(v_codec, z_codec, steps, warmup_steps=2, weight_decay=0.
 def test_schedule_free_adamw_matches_reference(v_codec, z_codec):
     """schedulefree's AdamWScheduleFree (train mode, warmup, decay): the kernel against decode ->
     AdamWScheduleFree.step -> encode over three steps (first included). Stated bound: parameters and
-    the decoded z within 1e-5 relative + 1e-6; the group values (k, lr_max, weight_sum) equal."""
+    the decoded z within 1e-5 relative + 1e-6 (fp24 z: 4e-5, one residual step of 2**-15 where fp32
+    round-off moves a value across a rounding boundary, seen on an H100); the group values (k,
+    lr_max, weight_sum) equal."""
     (ref, ref_ps), (opt, ps) = _schedule_free_pair(v_codec, z_codec, steps=3)
+    close = 4e-5 if z_codec == "fp24" else 1e-5
     for rp, p in zip(ref_ps, ps):
-        torch.testing.assert_close(p, rp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, rp, rtol=close, atol=1e-6)
         for key in ("z", "exp_avg_sq"):
             a, b = ref.get_state(rp)[key], opt.get_state(p)[key]
-            tol = 1e-5 if key == "z" else 0.02  # v: one code step of its codec at most
+            tol = close if key == "z" else 0.02  # v: one code step of its codec at most
             torch.testing.assert_close(b, a, rtol=tol, atol=tol * float(a.abs().max()))
     for key in ("k", "lr_max", "weight_sum", "scheduled_lr"):
         assert ref.param_groups[0][key] == opt.param_groups[0][key]
