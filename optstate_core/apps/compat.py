@@ -199,6 +199,29 @@ def thirdparty_rows(entries, presets: Sequence[str], seeds: int, steps: int, pro
     return table
 
 
+def _thirdparty_one(args) -> Dict[str, dict]:
+    """One optimizer's rows in a worker process (entries hold closures: each worker discovers its own)."""
+    name, presets, seeds, steps = args
+    from . import thirdparty as tp
+    torch.set_num_threads(1)
+    logging.getLogger("optstate").setLevel(logging.WARNING)
+    return thirdparty_rows(tp.discover([name]), presets, seeds, steps)
+
+
+def thirdparty_rows_parallel(names: Sequence[str], presets: Sequence[str], seeds: int, steps: int, jobs: int,
+                             progress=None) -> Dict[str, dict]:
+    """:func:`thirdparty_rows` over ``jobs`` processes, one optimizer per task; the table keeps ``names``' order."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    done = {}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_thirdparty_one, (name, list(presets), seeds, steps)) for name in names]
+        for future in as_completed(futures):
+            done.update(future.result())
+            if progress is not None:
+                progress.update(len(presets))
+    return {name: done[name] for name in names}
+
+
 def recommendation(name: str, rows: List[Row]) -> str:
     """The smallest preset whose verdict holds, else the closest, in words."""
     if all(r.reason is not None for r in rows):
@@ -329,12 +352,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the optimizers of schedulefree, prodigyopt, lion-pytorch, came-pytorch, torch-optimi, "
                         "heavyball, adam-mini and pytorch-optimizer that are installed, in place of torch.optim "
                         "(e.g. --out docs/compatibility-thirdparty.md)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --thirdparty: processes, one optimizer per task (default: %(default)s)")
     p.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/compatibility.md)")
 
 
 def run(args) -> int:
     if args.steps < 1 or args.seeds < 1:
         raise ValueError(f"--steps and --seeds must be at least 1, got {args.steps} and {args.seeds}")
+    if getattr(args, "jobs", 1) < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     thirdparty = getattr(args, "thirdparty", False)
     names = None if args.optimizers is None else [n.strip() for n in args.optimizers.split(",") if n.strip()]
     if not thirdparty:
@@ -358,9 +385,12 @@ def run(args) -> int:
     log.setLevel(logging.INFO)
     if thirdparty:
         from . import thirdparty as tp
-        entries = tp.discover(names)
-        with tqdm(total=len(entries) * len(presets), desc="optstate compat --thirdparty") as bar:
-            table = thirdparty_rows(entries, presets, args.seeds, args.steps, progress=bar)
+        with tqdm(total=len(tp.discover(names, probe=False)) * len(presets), desc="optstate compat --thirdparty") as bar:
+            if args.jobs > 1:
+                table = thirdparty_rows_parallel([e.name for e in tp.discover(names, probe=False)], presets,
+                                                 args.seeds, args.steps, args.jobs, progress=bar)
+            else:
+                table = thirdparty_rows(tp.discover(names), presets, args.seeds, args.steps, progress=bar)
         text = thirdparty_markdown(table, args.seeds, args.steps, THIRDPARTY_HEADER, tp.versions())
     else:
         with tqdm(total=len(names) * len(presets), desc="optstate compat") as bar:
