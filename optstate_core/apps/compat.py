@@ -209,8 +209,9 @@ def _thirdparty_one(args) -> Dict[str, dict]:
 
 
 def thirdparty_rows_parallel(names: Sequence[str], presets: Sequence[str], seeds: int, steps: int, jobs: int,
-                             progress=None) -> Dict[str, dict]:
-    """:func:`thirdparty_rows` over ``jobs`` processes, one optimizer per task; the table keeps ``names``' order."""
+                             progress=None, on_result=None) -> Dict[str, dict]:
+    """:func:`thirdparty_rows` over ``jobs`` processes, one optimizer per task; the table keeps ``names``' order.
+    ``on_result(table so far)`` after each optimizer (to write partial results)."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     done = {}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -219,6 +220,8 @@ def thirdparty_rows_parallel(names: Sequence[str], presets: Sequence[str], seeds
             done.update(future.result())
             if progress is not None:
                 progress.update(len(presets))
+            if on_result is not None:
+                on_result({name: done[name] for name in names if name in done})
     return {name: done[name] for name in names}
 
 
@@ -386,9 +389,13 @@ def run(args) -> int:
     if thirdparty:
         from . import thirdparty as tp
         with tqdm(total=len(tp.discover(names, probe=False)) * len(presets), desc="optstate compat --thirdparty") as bar:
+            def partial(table):  # what is done so far, in case the run is stopped
+                if args.out:
+                    Path(args.out).write_text(thirdparty_markdown(table, args.seeds, args.steps, THIRDPARTY_HEADER,
+                                                                  tp.versions()))
             if args.jobs > 1:
                 table = thirdparty_rows_parallel([e.name for e in tp.discover(names, probe=False)], presets,
-                                                 args.seeds, args.steps, args.jobs, progress=bar)
+                                                 args.seeds, args.steps, args.jobs, progress=bar, on_result=partial)
             else:
                 table = thirdparty_rows(tp.discover(names), presets, args.seeds, args.steps, progress=bar)
         text = thirdparty_markdown(table, args.seeds, args.steps, THIRDPARTY_HEADER, tp.versions())
