@@ -15,6 +15,7 @@ from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_
 from .step.granularity import resolve as resolve_granularity
 from .step.session import install_session_methods
 from .step.wrappable import check_wrappable
+from .state.store import ParamState
 from .state.units import parse_bytes
 
 log = logging.getLogger("optstate")
@@ -217,7 +218,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if release_gradients:  # prefetch hooks are registered when offloaded state is first planned
             engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
-            engine.state.update({p: type(engine.state[p])(s) for p, s in existing.items()})
+            engine.state.update({p: (ParamState(s) if isinstance(p, torch.Tensor) else s) for p, s in existing.items()})
             with torch.no_grad():
                 engine.conform()
 

@@ -363,3 +363,41 @@ def test_schedule_free_iterate_in_fp24_keeps_four_bytes_and_its_loss():
     with torch.no_grad():
         losses = [float(torch.nn.functional.mse_loss(m(x), y)) for m in (ref_model, model)]
     assert abs(losses[1] / losses[0] - 1) < 0.02, losses
+
+
+class GlobalCounterOptimizer(EMAOptimizer):
+    """Keeps a counter under a non-parameter key of its state, as MADGRAD and SPAM do."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state["k"] = self.state.get("k", 0) + 1
+        for g in self.param_groups:
+            g["lr"] = 0.1 / self.state["k"]
+        super().step(closure)
+
+
+def test_state_under_keys_of_its_own_persists_and_resumes():
+    model, x, y = model_and_data()
+    ref_model, _, _ = model_and_data()
+    opt = oc.wrap(GlobalCounterOptimizer(model.parameters()), "8bit")
+    ref = GlobalCounterOptimizer(ref_model.parameters())
+    train(model, opt, x, y, 3)
+    train(ref_model, ref, x, y, 3)
+    assert opt.state["k"] == ref.state["k"] == 3
+    saved = opt.state_dict()
+    assert saved["state"]["k"] == 3
+    resumed = oc.wrap(GlobalCounterOptimizer(model_and_data(seed=4)[0].parameters()), "8bit")
+    resumed.load_state_dict(saved)
+    assert resumed.state["k"] == 3 and resumed.param_groups[0]["lr"] == pytest.approx(0.1 / 3)
+
+
+def test_an_optimizer_whose_state_is_a_read_only_property_is_refused():
+    """pytorch-optimizer's Magma keeps its state behind a property: nothing can be put there."""
+    class Delegating(EMAOptimizer):
+        state = property(lambda self: {})
+
+    model, _, _ = model_and_data()
+    opt = object.__new__(Delegating)  # torch's __init__ would assign self.state
+    opt.defaults, opt.param_groups = {"lr": 0.1}, [{"params": list(model.parameters()), "lr": 0.1}]
+    with pytest.raises(ValueError, match="read-only property 'state'"):
+        oc.wrap(opt, "8bit")

@@ -44,7 +44,7 @@ def remember_params(engine) -> None:
     """Record the dtype and device of every parameter that has state and no record yet."""
     forms = _forms(engine)
     for p in engine.state:
-        if p not in forms and not is_dtensor(p):
+        if isinstance(p, torch.Tensor) and p not in forms and not is_dtensor(p):
             forms[p] = (p.dtype, p.device)
 
 

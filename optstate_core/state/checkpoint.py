@@ -86,6 +86,9 @@ def build_state_dict(engine, param_groups) -> dict:
                 state[index] = {k: pack_value(v, p) for k, v in st.items()}
             index += 1
         groups.append(packed)
+    for key, value in engine.state.items():  # state kept under keys of its own (MADGRAD's "k"), as torch keeps it
+        if not isinstance(key, torch.Tensor):
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
     meta = {"format_version": FORMAT_VERSION, "step": engine.step_count, "policy": engine.policy.state_dict(),
             "seed": engine.seed, "nonfinite_skipped": engine.nonfinite_skipped(),
             "clip": engine.gradient_release.clip_state()}
@@ -211,6 +214,9 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
     keys_by_group: Dict[int, list] = {}
     encoded = {}  # (codec, host, device, dtype) -> [(state dict, key, source)]: placed together below
     for saved_id, entry in state_dict["state"].items():
+        if isinstance(saved_id, str):  # an optimizer's own non-parameter state (MADGRAD's "k"): as it was saved
+            new_state[saved_id] = entry
+            continue
         if saved_id not in id_map:
             raise ValueError(f"state_dict: state for unknown parameter id {saved_id!r}")
         param = id_map[saved_id]
@@ -267,7 +273,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
 
 def _infer_step(state) -> int:
     steps = [int(v.item() if isinstance(v, torch.Tensor) else v)
-             for st in state.values() for k, v in st.items() if k == "step" and v is not None]
+             for st in state.values() if isinstance(st, dict) for k, v in st.items() if k == "step" and v is not None]
     return max(steps, default=0)
 
 

@@ -24,6 +24,9 @@ def check_wrappable(optimizer) -> None:
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise ValueError("optimizer: SparseAdam steps sparse gradients, and optstate keeps dense state only; "
                          "it cannot be wrapped (wrap Adam/AdamW for the dense parameters instead)")
+    if isinstance(getattr(type(optimizer), "state", None), property):
+        raise ValueError(f"optimizer: {name} keeps its state behind a read-only property 'state' (another "
+                         "optimizer's, or one it computes), so optstate cannot put its store there; it cannot be wrapped")
     package = type(optimizer).__module__.split(".")[0]
     if package in QUANTIZED_PACKAGES:
         raise ValueError(f"optimizer: {package}.{name} cannot be wrapped: {QUANTIZED_PACKAGES[package]}. "
