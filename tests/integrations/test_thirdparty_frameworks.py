@@ -145,3 +145,44 @@ def test_hf_optim_names_for_schedule_free_and_lion_match_the_unwrapped_optimizer
         trainer.train()
         assert losses(trainer)[-1] < losses(trainer)[0]
         assert optstate_hf.find_virtual_optimizer(trainer.optimizer).memory_report()["bits_per_param"] < most_bits
+
+
+def test_accelerate_save_state_and_load_state_resume_schedule_free_bit_for_bit(tmp_path):
+    """prepare(wrap(AdamWScheduleFree)) with int8 state: save_state after 3 steps (in eval mode, as
+    before a checkpoint), load_state into a fresh model and optimizer, train 3 more: the same
+    parameters as 6 uninterrupted steps."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    ids = [torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def steps(model, prepared, accelerator, batches):
+        prepared.train()
+        for b in batches:
+            accelerator.backward(model(input_ids=b, labels=b).loss)
+            prepared.step()
+            prepared.zero_grad()
+
+    set_seed(0)
+    full_model = tiny_model()
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(full_model, schedule_free(full_model, "8bit"))
+    steps(model, opt, accelerator, ids[:3])
+    opt.eval()  # what the interrupted run does before saving (x -> y again is not exact in fp32)
+    steps(model, opt, accelerator, ids[3:])
+    full = flat_params(model)
+
+    first_model = tiny_model()
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(first_model, schedule_free(first_model, "8bit"))
+    steps(model, opt, accelerator, ids[:3])
+    opt.eval()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    resumed_model = tiny_model(seed=7)
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(resumed_model, schedule_free(resumed_model, "8bit"))
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert opt.optimizer.optimizer.param_groups[0]["k"] == 3
+    steps(model, opt, accelerator, ids[3:])
+    assert torch.equal(flat_params(model), full)
