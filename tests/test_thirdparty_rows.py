@@ -14,14 +14,6 @@ pytest.importorskip("pytorch_optimizer")
 ENTRIES = {e.name: e for e in thirdparty.discover(probe=False)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_row(name):
     (entry,) = thirdparty.discover([name])
