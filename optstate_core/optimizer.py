@@ -14,7 +14,7 @@ from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options, check_release_supported
 from .step.granularity import resolve as resolve_granularity
 from .step.session import install_session_methods
-from .step.wrappable import check_wrappable
+from .step.wrappable import check_wrappable, warn_about_checkpoint_overrides
 from .state.store import ParamState
 from .state.units import parse_bytes
 
@@ -215,6 +215,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         optimizer.state = engine.state
         engine.observe_closure_loss = observe_closure_loss
         install_session_methods(engine)  # train(), eval(), ...: they see their decoded state
+        warn_about_checkpoint_overrides(optimizer)
         if release_gradients:  # prefetch hooks are registered when offloaded state is first planned
             engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
         if existing:  # state made before wrapping: adopt it, then store it as the policy says

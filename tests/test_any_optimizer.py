@@ -401,3 +401,16 @@ def test_an_optimizer_whose_state_is_a_read_only_property_is_refused():
     opt.defaults, opt.param_groups = {"lr": 0.1}, [{"params": list(model.parameters()), "lr": 0.1}]
     with pytest.raises(ValueError, match="read-only property 'state'"):
         oc.wrap(opt, "8bit")
+
+
+def test_an_optimizer_that_extends_its_checkpoint_is_warned_about(caplog):
+    class Extended(EMAOptimizer):
+        def state_dict(self):
+            return {**super().state_dict(), "masks": 1}
+
+    model, _, _ = model_and_data()
+    with caplog.at_level("WARNING", logger="optstate"):
+        oc.wrap(Extended(model.parameters()), "8bit")
+        oc.wrap(EMAOptimizer(model.parameters()), "8bit")
+    warned = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
+    assert len(warned) == 1 and "Extended overrides state_dict()" in warned[0]

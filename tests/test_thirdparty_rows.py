@@ -65,8 +65,8 @@ def _resumed_run(entry, steps: int, cut: int, preset):
 RESUME_DIFFERS = {
     "pytorch_optimizer:SPAM": "overrides state_dict()/load_state_dict() to save its gradient masks",
     "pytorch_optimizer:StableSPAM": "overrides state_dict()/load_state_dict() to save its gradient masks",
-    "pytorch_optimizer:AdaFactor": "an integer state tensor comes back cast (IndexError after loading)",
-    "heavyball:PSGDKron": "a bf16 state tensor comes back as fp32 (dtype error after loading)",
+    "pytorch_optimizer:AdaFactor": "its load_state_dict() restores a bf16 momentum that torch's loading casts",
+    "heavyball:PSGDKron": "its load_state_dict() restores bf16 state that torch's loading casts to fp32",
 }
 
 

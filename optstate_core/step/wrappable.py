@@ -1,7 +1,11 @@
 """Optimizers that cannot be wrapped, each refused at ``wrap`` with the reason (nothing changes)."""
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("optstate")
 
 #: package of an optimizer class -> why its state cannot be virtualized (it keeps it quantized or
 #: paged in a form of its own, which decoding as plain tensors would silently change)
@@ -39,3 +43,18 @@ def check_wrappable(optimizer) -> None:
                 raise ValueError(f"optimizer: {name}'s state {key!r} is a {type(value).__name__}, a tensor subclass "
                                  "(quantized or otherwise custom); optstate cannot decode it, so the optimizer "
                                  "cannot be wrapped")
+
+
+def warn_about_checkpoint_overrides(optimizer) -> list:
+    """Log a warning when the optimizer's class overrides ``state_dict``/``load_state_dict``: the
+    wrapper saves and loads its state mapping and groups as torch does, so what the override adds
+    (pytorch-optimizer's SPAM: its masks) or changes (dtypes it restores) is not carried. Returns
+    the overridden names."""
+    names = [n for n in ("state_dict", "load_state_dict")
+             if getattr(type(optimizer), n) is not getattr(torch.optim.Optimizer, n)
+             and not type(optimizer).__module__.startswith("torch.")]
+    if names:
+        log.warning("optstate: %s overrides %s; optstate's checkpoints hold its state and groups as torch's "
+                    "do, not what the override adds or changes, so a resume may differ from its own "
+                    "(docs/limitations.md)", type(optimizer).__name__, " and ".join(f"{n}()" for n in names))
+    return names
