@@ -38,26 +38,13 @@ SETTINGS: Dict[str, dict] = {
 }
 #: the verdict's bounds on the largest per-seed gap to the unwrapped optimizer
 HOLDS, CLOSE = 2.0, 5.0
-TRAIN, HELD_OUT, BATCH = 4096, 1024, 128
+from .compat_task import BATCH, HELD_OUT, TRAIN, task  # noqa: E402,F401 (the task, shared with thirdparty.py)
 
 
 def torch_optimizers() -> List[str]:
     """Every optimizer class this torch exports in ``torch.optim``."""
     return sorted(name for name, obj in vars(torch.optim).items()
                   if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer)
-
-
-def task(seed: int, bias: bool):
-    """The student model (seeded) and the data: a fixed teacher's outputs plus noise, split into
-    training and held-out samples."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    x = torch.randn(TRAIN + HELD_OUT, 64, generator=gen)
-    teacher = [torch.randn(64, 128, generator=gen) / 8, torch.randn(128, 8, generator=gen) / 11]
-    y = torch.nn.functional.gelu(x @ teacher[0]) @ teacher[1] + 0.1 * torch.randn(len(x), 8, generator=gen)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=bias), torch.nn.GELU(),
-                                torch.nn.Linear(256, 256, bias=bias), torch.nn.GELU(), torch.nn.Linear(256, 8, bias=bias))
-    return model, (x[:TRAIN], y[:TRAIN]), (x[TRAIN:], y[TRAIN:]), gen
 
 
 @dataclass

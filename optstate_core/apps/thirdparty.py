@@ -213,7 +213,7 @@ def _candidates() -> List[Entry]:
 def _probe(entry: Entry) -> Optional[str]:
     """Why ``entry`` cannot run the task (construction or a plain ``step()`` without a closure fails, or gives
     non-finite weights), else None."""
-    from .compat import BATCH, task
+    from .compat_task import BATCH, task
     model, (x, y), _, _ = task(0, bias=entry.bias)
     try:
         opt = entry.factory(model)

@@ -214,7 +214,9 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
     keys_by_group: Dict[int, list] = {}
     encoded = {}  # (codec, host, device, dtype) -> [(state dict, key, source)]: placed together below
     for saved_id, entry in state_dict["state"].items():
-        if isinstance(saved_id, str):  # an optimizer's own non-parameter state (MADGRAD's "k"): as it was saved
+        if saved_id not in id_map and isinstance(saved_id, str):
+            # an optimizer's own non-parameter state (MADGRAD's "k"), as it was saved (DCP keys
+            # parameters by name: those are in id_map)
             new_state[saved_id] = entry
             continue
         if saved_id not in id_map:

@@ -25,6 +25,11 @@ NAMES = {"optstate_adamw": "default", "optstate_adamw_8bit": "8bit", "optstate_a
          "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload"}
 
 
+#: every AdamW name exists for lion-pytorch's Lion and schedulefree's AdamWScheduleFree too
+NAMES.update({family + name[len("optstate_adamw"):]: preset for name, preset in list(NAMES.items())
+              for family in ("optstate_lion", "optstate_schedule_free_adamw")})
+
+
 def test_names_map_to_core_presets():
     assert optstate_hf.OPTIM_NAMES == NAMES
     assert set(NAMES.values()) <= set(oc.PRESETS)
@@ -97,9 +102,14 @@ def test_handler_builds_preset_with_trainer_hyperparameters(tmp_path, name):
     args = training_args(tmp_path, optim=name, optim_args=None, learning_rate=2e-3, adam_beta1=0.8,
                          adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.05)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
-    assert cls is optstate_hf.OptStateAdamW and issubclass(cls, torch.optim.Optimizer)
-    assert (kwargs["lr"], kwargs["betas"], kwargs["eps"], kwargs["weight_decay"]) == (2e-3, (0.8, 0.95), 1e-6, 0.05)
+    family = {"optstate_lion": optstate_hf.OptStateLion, "optstate_schedule_free_adamw": optstate_hf.OptStateScheduleFreeAdamW}
+    expected_cls = next((c for prefix, c in family.items() if name.startswith(prefix)), optstate_hf.OptStateAdamW)
+    assert cls is expected_cls and issubclass(cls, torch.optim.Optimizer)
+    assert (kwargs["lr"], kwargs["betas"], kwargs["weight_decay"]) == (2e-3, (0.8, 0.95), 0.05)
+    assert kwargs.get("eps", 1e-6) == 1e-6 and ("eps" in kwargs) == (cls is not optstate_hf.OptStateLion)
     assert kwargs["preset"] == NAMES[name]
+    if cls is not optstate_hf.OptStateAdamW:
+        pytest.importorskip("lion_pytorch" if cls is optstate_hf.OptStateLion else "schedulefree")
     expected = oc.make_policy(NAMES[name])
     policy = cls([torch.nn.Parameter(torch.zeros(4))], **kwargs).policy
     assert type(policy) is oc.WarmupPolicy
