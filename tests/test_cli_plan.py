@@ -291,3 +291,31 @@ def test_plan_pick_keeps_masters_for_bf16_weights():
     assert bf16.best().name == "bf16w-4bit-lean-offload"
     fp32 = plan.make_plan(shapes, 10**9, "adamw", ["4bit", "bf16w-4bit-lean-offload"], "fp32")
     assert fp32.best().name == "4bit"  # no host state, and fp32 weights are their own masters
+
+
+def test_named_models_plan_as_their_config_json(tmp_path, capsys):
+    """``--model 8b`` is Llama-3-8B's config.json: the same table, word for word after the source."""
+    from optstate_core.apps.llama import NAMED_SHAPES
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(NAMED_SHAPES["8b"].hf_config()))
+    common = ["plan", "--gpu-memory", "24GB", "--weights-dtype", "bf16", "--release-gradients", "--batch", "1x2048"]
+    outputs = []
+    for source in (["--model", "8b"], ["--config", str(path)]):
+        assert cli.main(common + source) == 0
+        outputs.append(capsys.readouterr().out.split("\n", 1)[1])
+    assert outputs[0] == outputs[1]
+    assert NAMED_SHAPES["8b"].params == 8_030_261_248  # Llama-3-8B
+
+
+def test_a_70b_model_on_one_4_gpu_node(capsys):
+    """Llama-3-70B shapes, bf16 weights, released gradients, 1x4096 per GPU on 4 x 80 GB: the
+    offloaded and budgeted lean presets fit, resident state does not."""
+    from optstate_core.apps.llama import NAMED_SHAPES
+    assert NAMED_SHAPES["70b"].params == 70_553_706_496
+    assert cli.main(["plan", "--model", "70b", "--gpu-memory", "80GB", "--gpus", "4", "--weights-dtype", "bf16",
+                     "--grads-dtype", "bf16", "--release-gradients", "--batch", "1x4096",
+                     "--presets", "bf16w-4bit-lean,bf16w-4bit-lean-offload"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert _fits(rows["bf16w-4bit-lean"]) == "no" and _fits(rows["bf16w-4bit-lean-offload"]) == "yes"
+    assert any(name.startswith("bf16w-4bit-lean + gpu_budget=") and _fits(row) == "yes" for name, row in rows.items())

@@ -39,11 +39,18 @@ class LlamaShape:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def hf_config(self) -> dict:
+        """The Hugging Face ``config.json`` fields of this shape (what ``optstate plan --config`` reads)."""
+        return {"model_type": "llama", "hidden_size": self.hidden, "intermediate_size": self.ffn,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab, "tie_word_embeddings": False}
+
 
 #: the configurations the peak-memory benchmark (issue 14) names
 NAMED_SHAPES = {
     "0.95b": LlamaShape(hidden=2048, layers=16, ffn=5632, heads=16, kv_heads=16, vocab=32000),  # e2e.py's
-    "8b": LlamaShape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256),
+    "8b": LlamaShape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256),  # Llama-3-8B's
+    "70b": LlamaShape(hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=128256),  # Llama-3-70B's
     "tiny": LlamaShape(hidden=64, layers=2, ffn=128, heads=2, kv_heads=1, vocab=256),
 }
 

@@ -368,6 +368,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "matrices with rows of 4096; prefer --config for exact numbers)")
     src.add_argument("--config", help="a Hugging Face config.json (Llama, Mistral, Qwen2/3, GPT-2 families): "
                      "exact parameter shapes")
+    from .llama import NAMED_SHAPES
+    src.add_argument("--model", choices=sorted(NAMED_SHAPES),
+                     help="a named Llama shape instead of a config.json: 8b and 70b are Llama-3-8B's and "
+                          "Llama-3-70B's, 0.95b the end-to-end benchmark's")
     parser.add_argument("--gpu-memory", default="80GB",
                         help="GPU memory, e.g. 80GB (=80e9 bytes), 24GiB (default: %(default)s)")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
@@ -405,11 +409,16 @@ def plan_from_args(args) -> Plan:
         parse_bytes(args.activations, "--activations")
     if args.batch is not None and args.activations is not None:
         raise ValueError("--batch estimates the activations: give --batch or --activations, not both")
-    if args.batch is not None and not args.config:
-        raise ValueError("--batch needs --config (the activation estimate uses the model's shapes)")
-    if args.config:
-        config = load_config(args.config)
-        shapes, source = config_shapes(config), args.config
+    model = getattr(args, "model", None)
+    if args.batch is not None and not (args.config or model):
+        raise ValueError("--batch needs --config or --model (the activation estimate uses the model's shapes)")
+    if args.config or model:
+        if model:
+            from .llama import NAMED_SHAPES
+            config, source = NAMED_SHAPES[model].hf_config(), f"--model {model} ({NAMED_SHAPES[model].describe()})"
+        else:
+            config, source = load_config(args.config), args.config
+        shapes = config_shapes(config)
         if args.batch is not None:
             batch, seq = parse_batch(args.batch)
             activations = checkpointed_activation_bytes(config, batch, seq)
