@@ -177,7 +177,7 @@ def test_peak_bytes_rows_subtract_the_activation_baseline(capsys):
     assert "| tiny (0.00B) | bf16w-4bit-lean | ok |" in printed and "| 8b (8.03B) | adamw | OOM |" in printed
     assert "| 4.00 | 4.00 | 2.000 | 1024 |" in printed  # (4n + 700 - 700) / n at the peak, 4n held
     with pytest.raises(ValueError, match="--models"):
-        peakbytes.run_peak_bytes(_args(models="70b"), runner)
+        peakbytes.run_peak_bytes(_args(models="13b"), runner)
 
 
 def test_trial_subprocess_times_out_and_is_killed():

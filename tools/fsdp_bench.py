@@ -14,8 +14,9 @@ FSDP2 keeps a trained model referenced): run one configuration per invocation to
 
 ``--optimizers`` takes benchmark contender names instead (``optstate bench --peak-bytes``'s:
 ``adamw``, presets with ``+release``/``+offload``/``+budget<bytes>``; ``bf16w-*`` presets get bf16
-weights and gradient release, clipping at 1.0); ``--model`` a named shape (``0.95b``, ``8b``),
-built with activation checkpointing. ``none`` / ``none-bf16`` have no optimizer and free each
+weights and gradient release, clipping at 1.0); ``--model`` a named shape (``0.95b``, ``8b``, ``70b``),
+built on the meta device, sharded there and materialized shard by shard on each rank (``70b``:
+Llama-3-70B's shapes never exist whole anywhere), with activation checkpointing. ``none`` / ``none-bf16`` have no optimizer and free each
 sharded gradient in the hook FSDP2 calls after its reduce-scatter: the lowest peak any gradient
 release can reach on that model and batch (what is left is weights, activations and FSDP2's own
 buffers).
@@ -127,14 +128,17 @@ def main():
     rows = []
     for label, build in configs.items():
         torch.manual_seed(0)
-        if shape is not None:  # a contender: its weights dtype, checkpointing, its own build
-            from optstate_core.apps.llama import build_model as build_named
-            model = build_named(shape, device, build.weights, checkpointing=True)
+        def shard(model):
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+
+        if shape is not None:  # a contender: its weights dtype, checkpointing, its own build, sharded on the
+            from optstate_core.apps.llama import build_model as build_named  # meta device (70b fits no rank whole)
+            model = build_named(shape, device, build.weights, checkpointing=True, shard=shard)
         else:
             model = build_model(2048, args.layers, 32000, 5632, device)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            shard(model)
         params = list(model.parameters())
         n_local = sum(p._local_tensor.numel() for p in params)
         n_global = sum(p.numel() for p in params)

@@ -56,10 +56,13 @@ NAMED_SHAPES = {
 
 
 def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, checkpointing: bool = False,
-                seed: int = 0):
+                seed: int = 0, shard=None):
     """A ``transformers`` LlamaForCausalLM of ``shape``, built on the meta device and materialized
     directly on ``device`` in ``dtype`` (random init N(0, 0.02) for matrices, ones for norms): an
-    8B model takes seconds and never exists on the host."""
+    8B model takes seconds and never exists on the host. ``shard(model)``: called on the meta
+    model before it is materialized (FSDP2's ``fully_shard`` of each layer and the root), so each
+    rank allocates and initializes only its own shards (a 70B model never exists whole on a rank;
+    each rank's shards draw from a stream seeded by ``seed`` and the rank)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
@@ -68,14 +71,20 @@ def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, c
                          use_cache=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if shard is not None:
+        shard(model)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            seed = seed * 1_000_003 + torch.distributed.get_rank()
+    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
+            local = p._local_tensor if hasattr(p, "_local_tensor") else p  # a DTensor's own shard
             if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=gen)
+                local.normal_(0.0, 0.02, generator=gen)
             else:
-                p.fill_(1.0)
+                local.fill_(1.0)
         for name, module in list(model.named_modules()):  # non-persistent buffers (rotary inv_freq) are recomputed
             if type(module).__name__.endswith("RotaryEmbedding"):
                 parent_name, _, attr = name.rpartition(".")

@@ -203,3 +203,40 @@ def fsdp_master_job(rank, world, tmp):
     if rank == 0:
         torch.save(out, f"{tmp}/fsdp_master_result.pt")
     finish()
+
+
+def sharded_build_job(rank, world, tmp):
+    """A named Llama shape built on the meta device and sharded there (FSDP2, each layer and the
+    root), then materialized: each rank holds and initializes only its shards; a step with a
+    wrapped optimizer runs. Rank 0 writes what it saw."""
+    init(rank, world, tmp)
+    from torch.distributed.fsdp import fully_shard
+
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model as build_named
+
+    def shard(model):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    shape = NAMED_SHAPES["tiny"]
+    model = build_named(shape, torch.device("cpu"), torch.float32, shard=shard)
+    params = list(model.parameters())
+    local = [p._local_tensor for p in params]
+    seen = {"global": sum(p.numel() for p in params), "local": sum(t.numel() for t in local),
+            "on_cpu": all(t.device.type == "cpu" for t in local),
+            "norms_one": all(bool((t == 1).all()) for p, t in zip(params, local) if p.dim() == 1),
+            "matrix_std": float(torch.cat([t.reshape(-1) for p, t in zip(params, local) if p.dim() == 2]).std())}
+    opt = oc.wrap(torch.optim.AdamW(params, lr=1e-3), "8bit")
+    tokens = torch.randint(0, shape.vocab, (2, 16), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    seen["losses"] = losses
+    if rank == 0:
+        torch.save(seen, os.path.join(tmp, "sharded_build.pt"))
+    finish()

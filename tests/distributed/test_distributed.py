@@ -1,5 +1,6 @@
 """DDP and FSDP2 with 2 gloo processes against single-process results, and DCP checkpoints
 (round trip on 2 ranks, then resharded onto 1 process)."""
+import math
 import os
 import sys
 
@@ -149,3 +150,16 @@ def test_fsdp2_with_master_weights_as_state(tmp_path):
     assert out["local_state_bytes"] < 0.55 * opt.memory_report()["state_bytes"]
     for got, ref in zip(out["resumed"], out["expected"]):
         assert torch.equal(got, ref)
+
+
+def test_a_named_model_is_sharded_on_the_meta_device_before_it_is_materialized(tmp_path):
+    """The 70B path's build (tools/fsdp_bench.py --model): each of 2 ranks allocates only its half of
+    the parameters, initializes it (matrices N(0, 0.02), norms 1), and trains."""
+    pytest.importorskip("transformers")
+    from optstate_core.apps.llama import NAMED_SHAPES
+    spawn(dist_jobs.sharded_build_job, tmp_path)
+    seen = torch.load(tmp_path / "sharded_build.pt")
+    assert seen["global"] == NAMED_SHAPES["tiny"].params
+    assert seen["local"] <= seen["global"] // 2 + 4096 and seen["on_cpu"] and seen["norms_one"]
+    assert 0.015 < seen["matrix_std"] < 0.025
+    assert all(math.isfinite(x) for x in seen["losses"]) and seen["losses"][-1] < seen["losses"][0]
