@@ -174,10 +174,6 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if release_gradients and prefetch_budget == AUTO and not prefetch_during_backward:
             prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
         granularity, check_granularity = resolve_granularity(optimizer, granularity, elementwise)
-        if granularity == "elementwise" and type(optimizer).__name__ in ("Adafactor", "Muon") and \
-                type(optimizer).__module__.startswith("torch.optim"):
-            raise ValueError(f"elementwise=True: {type(optimizer).__name__}'s update needs whole tensors (factored "
-                             "statistics or an orthogonalization), so its parameters cannot be stepped in tiles")
         if release_gradients and granularity == "step":
             raise ValueError(f"release_gradients=True: {type(optimizer).__name__} is stepped in one call over every "
                              "parameter (granularity 'step': it is not known to update each parameter on its own), "

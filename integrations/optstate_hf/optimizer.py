@@ -23,7 +23,7 @@ class OptStateAdamW(oc.OptStateAdamW):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, preset: str = "default", optim_args=None, max_grad_norm=None,
                  **adamw_kwargs):
-        policy, wrap_options = _wrapped(preset, optim_args, max_grad_norm)
+        policy, wrap_options = _policy_and_options(preset, optim_args, max_grad_norm)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          policy=policy, wrap_options=wrap_options, **adamw_kwargs)
         _bind_release_boundary(self)
@@ -37,8 +37,8 @@ def _bind_release_boundary(optimizer) -> None:
         optimizer.bind_step_boundary(lambda: bool(getattr(state, "sync_gradients", True)))
 
 
-def _wrapped(preset: str, optim_args, max_grad_norm):
-    """``(policy, wrap options)`` for a VirtualOptimizer around ``inner`` from a preset and ``optim_args``."""
+def _policy_and_options(preset: str, optim_args, max_grad_norm):
+    """``(policy, wrap options)`` of a VirtualOptimizer from a preset, ``optim_args`` and the clipping norm."""
     options: OptimArgs = parse_optim_args(optim_args)
     wrap_options = options.wrap_options()
     if max_grad_norm is not None:
@@ -57,7 +57,7 @@ class OptStateLion(oc.VirtualOptimizer):
         except ImportError as e:
             raise ImportError("optim='optstate_lion...' needs lion-pytorch: pip install lion-pytorch "
                               "(or optstate[thirdparty])") from e
-        policy, wrap_options = _wrapped(preset, optim_args, max_grad_norm)
+        policy, wrap_options = _policy_and_options(preset, optim_args, max_grad_norm)
         super().__init__(Lion(params, lr=lr, betas=betas, weight_decay=weight_decay), policy, **wrap_options)
         _bind_release_boundary(self)
 
@@ -74,7 +74,7 @@ class OptStateScheduleFreeAdamW(oc.VirtualOptimizer):
         except ImportError as e:
             raise ImportError("optim='optstate_schedule_free_adamw...' needs schedulefree: pip install schedulefree "
                               "(or optstate[thirdparty])") from e
-        policy, wrap_options = _wrapped(preset, optim_args, max_grad_norm)
+        policy, wrap_options = _policy_and_options(preset, optim_args, max_grad_norm)
         inner = AdamWScheduleFree(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                   warmup_steps=warmup_steps)
         super().__init__(inner, policy, **wrap_options)
@@ -97,11 +97,8 @@ def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None, fam
               "preset": preset, "optim_args": options}
     if family != "lion":
         kwargs["eps"] = args.adam_epsilon
-    if family == "schedule_free_adamw":
+    if family == "schedule_free_adamw":  # release_gradients is refused by the wrapper (stepped in one call)
         kwargs["warmup_steps"] = args.warmup_steps
-        if options.get("release_gradients"):
-            raise ValueError("optim_args release_gradients=true: schedule-free AdamW is stepped in one call over "
-                             "every parameter, so gradients cannot be released in backward")
     if options.get("release_gradients"):
         kwargs["max_grad_norm"] = route_max_grad_norm(args)
     return CLASSES[family], kwargs

@@ -39,18 +39,15 @@ OPTIM_NAMES: Dict[str, str] = {
     "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
     "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload",
 }
-#: the other optimizers with an ``optim`` name: family prefix -> the inner optimizer it builds
-#: (``optstate_lion_8bit`` is lion-pytorch's Lion with the ``8bit`` preset; every AdamW suffix exists)
-FAMILIES = {"optstate_adamw": "adamw", "optstate_lion": "lion", "optstate_schedule_free_adamw": "schedule_free_adamw"}
-for _family in ("optstate_lion", "optstate_schedule_free_adamw"):
-    OPTIM_NAMES.update({_family + name[len("optstate_adamw"):]: preset for name, preset in list(OPTIM_NAMES.items())
-                        if name.startswith("optstate_adamw")})
+#: ``optim`` name -> the inner optimizer it builds: every AdamW name also exists for lion-pytorch's
+#: Lion and schedulefree's AdamWScheduleFree (``optstate_lion_8bit``: Lion with the ``8bit`` preset)
+_ADAMW_NAMES = dict(OPTIM_NAMES)
+FAMILY_OF: Dict[str, str] = dict.fromkeys(_ADAMW_NAMES, "adamw")
+for _prefix, _family in (("optstate_lion", "lion"), ("optstate_schedule_free_adamw", "schedule_free_adamw")):
+    for _adamw_name, _preset in _ADAMW_NAMES.items():
+        _name = _prefix + _adamw_name[len("optstate_adamw"):]
+        OPTIM_NAMES[_name], FAMILY_OF[_name] = _preset, _family
 
-
-def family_of(optim: str) -> str:
-    """The inner optimizer an ``optim`` name of :data:`OPTIM_NAMES` builds (see :data:`FAMILIES`)."""
-    return next(family for prefix, family in sorted(FAMILIES.items(), key=lambda kv: -len(kv[0]))
-                if optim == prefix or optim.startswith(prefix + "_"))
 HOOK = "get_optimizer_cls_and_kwargs"
 _FALLBACK = ("Pass the optimizer instead: Trainer(..., optimizer_cls_and_kwargs="
              "optstate_hf.optimizer_cls_and_kwargs(args, preset='default'))")
@@ -121,7 +118,7 @@ def _wrap(original: Callable) -> Callable:
             return original(args, model)
         from .optimizer import optimizer_cls_and_kwargs
 
-        return optimizer_cls_and_kwargs(args, preset=preset, family=family_of(optim))
+        return optimizer_cls_and_kwargs(args, preset=preset, family=FAMILY_OF[optim])
 
     get_optimizer_cls_and_kwargs.optstate_original = original
     return get_optimizer_cls_and_kwargs

@@ -39,6 +39,7 @@ SETTINGS: Dict[str, dict] = {
 #: the verdict's bounds on the largest per-seed gap to the unwrapped optimizer
 HOLDS, CLOSE = 2.0, 5.0
 from .compat_task import BATCH, HELD_OUT, TRAIN, task  # noqa: E402,F401 (the task, shared with thirdparty.py)
+from .thirdparty import one_line  # noqa: E402
 
 
 def torch_optimizers() -> List[str]:
@@ -136,12 +137,6 @@ def compat_rows(optimizers: Sequence[str], presets: Sequence[str], seeds: int, s
     return table
 
 
-def _one_line(text: str) -> str:
-    """The first line of a reason, safe inside a markdown table cell."""
-    lines = str(text).strip().splitlines()
-    return (lines[0] if lines else "").replace("|", "/")
-
-
 def thirdparty_rows(entries, presets: Sequence[str], seeds: int, steps: int, progress=None) -> Dict[str, dict]:
     """Per third-party optimizer (:class:`thirdparty.Entry`): why it is skipped, or the unwrapped losses per
     seed and a :class:`Row` per preset (the ``fp32`` row also says whether it is bit-identical)."""
@@ -154,7 +149,7 @@ def thirdparty_rows(entries, presets: Sequence[str], seeds: int, steps: int, pro
                 base = [run_one(entry.name, None, s, steps, factory=entry.factory, bias=entry.bias)
                         for s in range(seeds)]
             except Exception as e:
-                skip = f"fails unwrapped: {type(e).__name__}: {_one_line(e)}"
+                skip = f"fails unwrapped: {type(e).__name__}: {one_line(e)}"
             else:
                 skip = not_training([b.initial for b in base], [b.loss for b in base])
         if skip is not None:
@@ -259,12 +254,12 @@ def thirdparty_markdown(table: Dict[str, dict], seeds: int, steps: int, header: 
            "gap per seed | fp32 exact | verdict |", "|---|---|---|---:|---|---|---|---|"]
     for name, entry in table.items():
         if entry["skip"] is not None:
-            out.append(f"| {name} | | skipped: {_one_line(entry['skip'])} | | | | | skipped |")
+            out.append(f"| {name} | | skipped: {one_line(entry['skip'])} | | | | | skipped |")
             continue
         base = statistics.fmean(entry["base"])
         for row in entry["rows"]:
             if row.reason is not None:
-                out.append(f"| {name} | `{row.preset}` | no: {_one_line(row.reason)} | | | | | refused |")
+                out.append(f"| {name} | `{row.preset}` | no: {one_line(row.reason)} | | | | | refused |")
                 continue
             gaps = ", ".join(f"{g:+.2f}%" for g in row.gaps)
             exact = "" if row.exact is None else "exact" if row.exact else "differs"
@@ -275,7 +270,7 @@ def thirdparty_markdown(table: Dict[str, dict], seeds: int, steps: int, header: 
     for name, entry in table.items():
         options = ", ".join(f"{k}={v}" for k, v in entry["options"].items()) or "class defaults"
         if entry["skip"] is not None:
-            out.append(f"- {name}: skipped ({_one_line(entry['skip'])})")
+            out.append(f"- {name}: skipped ({one_line(entry['skip'])})")
             continue
         text = recommendation(name, entry["rows"])
         if any(r.exact is False for r in entry["rows"]):

@@ -218,7 +218,7 @@ def _probe(entry: Entry) -> Optional[str]:
     try:
         opt = entry.factory(model)
     except Exception as e:
-        return f"cannot be built for the MLP: {type(e).__name__}: {_first_line(e)}"
+        return f"cannot be built for the MLP: {type(e).__name__}: {one_line(e, 200)}"
     try:
         if callable(getattr(opt, "train", None)):
             opt.train()
@@ -227,16 +227,16 @@ def _probe(entry: Entry) -> Optional[str]:
             torch.nn.functional.mse_loss(model(x[i * BATCH:(i + 1) * BATCH]), y[i * BATCH:(i + 1) * BATCH]).backward()
             opt.step()
     except Exception as e:
-        return f"a plain step() fails: {type(e).__name__}: {_first_line(e)}"
+        return f"a plain step() fails: {type(e).__name__}: {one_line(e, 200)}"
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         return "non-finite weights after a plain step()"
     return None
 
 
-def _first_line(e: BaseException) -> str:
-    """The first line of an exception's message, without the table's column separator."""
-    text = str(e).strip().splitlines()
-    return (text[0] if text else "").replace("|", "/")[:200]
+def one_line(text, limit: Optional[int] = None) -> str:
+    """The first line of a reason or an exception's message, safe inside a markdown table cell."""
+    lines = str(text).strip().splitlines()
+    return (lines[0] if lines else "").replace("|", "/")[:limit]
 
 
 def discover(names: Optional[Sequence[str]] = None, probe: bool = True) -> List[Entry]:

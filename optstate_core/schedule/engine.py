@@ -36,7 +36,7 @@ from ..step.fused_launch import KernelLauncher
 from ..step.gradients import all_finite, collect, split_nonfinite
 from ..step.granularity import CHECKED_STEPS, check_against_whole
 from ..step.inner import group_signature, run_inner
-from ..step.schedule_free import plan_fused_step
+from ..step.schedule_free import advance_groups, fused_step_applies, plan_fused_step
 from ..step.session import run_whole_step
 from ..step.router import Router
 from .placement import Placement
@@ -46,6 +46,7 @@ from ..state.store import StateMap
 from ..step.tiled import TiledStep
 from .transfer import Transfers
 from ..step.work import StepMetrics, Work, describe_param
+from ..state.master_weights import MASTER_KEY
 
 log = logging.getLogger("optstate")
 
@@ -142,13 +143,8 @@ class Engine:
     def step(self) -> None:
         t0 = time.perf_counter()
         if self.granularity == "step":
-            follow_params(self)
             self.metrics = StepMetrics()
-            buckets = plan_fused_step(self)  # schedule-free AdamW's kernel, when every parameter fits it
-            if buckets is None:
-                run_whole_step(self)
-                buckets = []
-            remember_params(self)
+            buckets = self._whole_step()
         else:
             buckets = self._plan_step()
         if buckets:
@@ -159,6 +155,29 @@ class Engine:
         self.step_count += 1
         self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
+
+    def _whole_step(self):
+        """Granularity ``"step"``: schedule-free AdamW's kernel over every parameter when it applies
+        (a cached plan reused while it holds), else the optimizer's own step on lent state; returns
+        the buckets to launch."""
+        applies = fused_step_applies(self)
+        signature = self._signature() if applies else None
+        cached = self._cached_plan(signature) if applies else None
+        if cached is not None:
+            buckets = cached[0]
+        else:
+            follow_params(self)
+            buckets = plan_fused_step(self) if applies else None
+            if buckets is None:
+                run_whole_step(self)
+            remember_params(self)
+            if buckets is None:
+                return []
+            if not any(b.first for b in buckets):
+                keys = [k for b in buckets for k in b.keys]
+                self._plan_cache = (signature, buckets, [], self._state_identity(keys), False, [])
+        self.kernels.group_scalars = advance_groups(self.inner)
+        return buckets
 
     def _plan_step(self):
         """Route, run the reference paths, return the fused buckets (a cached plan when it holds)."""
@@ -184,7 +203,7 @@ class Engine:
         works = collect(self.param_infos(), self.state)
         params = [w.key for w in works if w.grad.numel()]
         states = [decoded_param_state(self.state.get(p, {}), p.device, p) for p in params]
-        states = [{k: v for k, v in st.items() if k != "master_correction"} for st in states]
+        states = [{k: v for k, v in st.items() if k != MASTER_KEY} for st in states]
         problem = check_against_whole(self.inner, self.granularity, params, states) if params else None
         if problem is not None:
             raise ValueError(f"granularity={self.granularity!r}: {type(self.inner).__name__} is not "

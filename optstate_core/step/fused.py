@@ -22,6 +22,7 @@ from ..state.dtensor import is_dtensor, like_param, local
 from .fused_launch import BF16, FP24, FP32, INT4, INT8, P_KINDS
 from .kernels import interpreting, triton_error
 from .inner import decoupled_decay
+from .granularity import qualified_name
 from .schedule_free import is_schedule_free_adamw
 from .kernels.launch import MAX_TENSORS
 from ..state.master_weights import MASTER_KEY
@@ -52,8 +53,7 @@ def state_kind(codec) -> Optional[int]:
 
 def is_lion(inner) -> bool:
     """lion-pytorch's ``Lion`` with its own (torch) update function, which the Lion kernel reproduces."""
-    cls = type(inner)
-    if f"{cls.__module__}.{cls.__qualname__}" != "lion_pytorch.lion_pytorch.Lion":
+    if qualified_name(type(inner)) != "lion_pytorch.lion_pytorch.Lion":
         return False
     update = getattr(inner, "update_fn", None)
     return getattr(update, "__module__", None) == "lion_pytorch.lion_pytorch" and update.__name__ == "update_fn"

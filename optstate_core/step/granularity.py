@@ -55,8 +55,8 @@ def resolve(optimizer: torch.optim.Optimizer, granularity: Optional[str],
             elementwise: Optional[bool]) -> Tuple[str, bool]:
     """``(granularity, checked)``: the user's choice (``elementwise=True/False`` is the older
     spelling of ``"elementwise"``/``"tensor"``) or the registry's, else ``"step"``; ``checked``
-    when the user's choice is finer than what the registry knows, so the first steps compare it
-    with a whole step."""
+    when the user's choice is finer than ``"step"`` for a class the registry does not know, so the
+    first steps compare it with a whole step. A choice finer than the registry's entry is refused."""
     if granularity is not None and granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be None or one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     if elementwise is not None and not isinstance(elementwise, bool):
@@ -69,6 +69,10 @@ def resolve(optimizer: torch.optim.Optimizer, granularity: Optional[str],
     known = registered(optimizer)
     if granularity is None:
         return known or "step", False
+    if known is not None and _finer(granularity, known):
+        said = f"elementwise={elementwise}" if elementwise is not None else f"granularity={granularity!r}"
+        raise ValueError(f"{said}: {type(optimizer).__name__}'s update needs whole tensors (factored statistics or "
+                         f"an orthogonalization), so its parameters cannot be stepped in {granularity} pieces")
     return granularity, _finer(granularity, known or "step")
 
 
@@ -125,11 +129,9 @@ def check_against_whole(optimizer: torch.optim.Optimizer, granularity: str, para
             return f"{where} differs after the step"
         for key in set(sa) | set(sb):
             va, vb = sa.get(key), sb.get(key)
-            if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
-                same = va.shape == vb.reshape(va.shape).shape and torch.equal(va, vb.reshape(va.shape))
-            else:
-                same = type(va) is type(vb) and va == vb
-            if not same:
+            if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.numel() == vb.numel():
+                vb = vb.reshape(va.shape)  # an elementwise split joins its pieces flat
+            if not _same_value(va, vb):
                 return f"state {key!r} of {where} differs after the step"
     for gi, (ga, gb) in enumerate(zip(whole_groups, split_groups)):
         for key in ga:

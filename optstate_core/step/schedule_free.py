@@ -4,7 +4,8 @@
 per step, so it is wrapped with granularity ``"step"``. When every parameter with a gradient can go
 to the kernel (``kernels/schedule_free.py``), the step is: the group values advanced exactly as the
 optimizer's ``step`` advances them (written into the real group dicts), then one launch per bucket
-with each group's scalars. Otherwise (the lossless preset, offloaded state, a codec switch, master
+with each group's scalars; the buckets are reused while nothing they depend on changes (the
+engine's plan cache). Otherwise (the lossless preset, offloaded state, a codec switch, master
 weights, eval mode) the whole step runs through the optimizer itself (:func:`step.session.run_whole_step`).
 """
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from .gradients import collect
+from .granularity import qualified_name
 
 SCHEDULE_FREE_ADAMW = "schedulefree.adamw_schedulefree.AdamWScheduleFree"
 
 
 def is_schedule_free_adamw(inner) -> bool:
-    cls = type(inner)
-    return f"{cls.__module__}.{cls.__qualname__}" == SCHEDULE_FREE_ADAMW
+    return qualified_name(type(inner)) == SCHEDULE_FREE_ADAMW
 
 
 def advance_groups(inner) -> Dict[int, dict]:
@@ -46,14 +47,17 @@ def advance_groups(inner) -> Dict[int, dict]:
     return scalars
 
 
-def plan_fused_step(engine) -> Optional[List]:
-    """The buckets of a fused schedule-free step (group values advanced), or None: the whole step
-    then runs through the optimizer (nothing changed here)."""
+def fused_step_applies(engine) -> bool:
+    """Whether the optimizer is schedule-free AdamW in train mode and the kernels may run (in eval
+    mode its own step raises its "not in train mode" error)."""
     inner = engine.inner
-    if not is_schedule_free_adamw(inner) or engine.fused.mode is False:
-        return None
-    if not all(g["train_mode"] for g in inner.param_groups):
-        return None  # the optimizer's own step raises its "not in train mode" error
+    return is_schedule_free_adamw(inner) and engine.fused.mode is not False and \
+        all(g["train_mode"] for g in inner.param_groups)
+
+
+def plan_fused_step(engine) -> Optional[List]:
+    """The buckets of a fused schedule-free step, or None when some parameter with a gradient cannot
+    go to the kernel (the whole step then runs through the optimizer; nothing changed here)."""
     works = collect(engine.param_infos(), engine.state)
     engine.placement.assign_residency(works, engine.step_count)
     planned = []
@@ -64,5 +68,4 @@ def plan_fused_step(engine) -> Optional[List]:
         planned.append((w, plan))
     if not any(any(k != 0 for k in plan["kinds"]) for _, plan in planned):
         return None  # nothing compressed: the optimizer's own step is exact and fast
-    engine.kernels.group_scalars = advance_groups(inner)
-    return engine.fused.build(planned) if planned else []
+    return engine.fused.build(planned)

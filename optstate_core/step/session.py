@@ -23,6 +23,7 @@ from ..state.master_weights import MASTER_KEY
 from ..state.store import ParamState
 from .gradients import collect
 from .inner import unhooked_step
+from .tiled import _materialized_bytes
 from .work import Tile, Work
 
 log = logging.getLogger("optstate")
@@ -136,7 +137,6 @@ class StateSession(MutableMapping):
     def commit(self) -> int:
         """Write back what the call changed; returns the decoded bytes that were alive."""
         engine, materialized = self.engine, 0
-        from .tiled import _materialized_bytes
         for opened in self.opened.values():
             tile, work = opened.tile, opened.work
             if tile.master is not None:

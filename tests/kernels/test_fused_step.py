@@ -419,3 +419,15 @@ def test_schedule_free_eval_and_train_after_fused_steps():
     opt.train()
     for a, b in zip(y, ps):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_schedule_free_fused_steps_reuse_their_plan():
+    """After its first (allocating) step, the fused schedule-free step launches the buckets it
+    planned before, while no state or gradient changed form; group values still advance."""
+    (_, _), (opt, ps) = _schedule_free_pair("int8", "fp32", steps=2)
+    engine = opt._engine
+    buckets = engine._plan_cache[1]
+    set_grads(ps, 5)
+    opt.step()
+    assert engine._plan_cache[1] is buckets and opt.last_step_timings["fused_params"] == len(SHAPES)
+    assert opt.param_groups[0]["k"] == 3
