@@ -119,25 +119,19 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, divisor, rows)
 
 
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, labels=None, use_cache=None, num_items_in_batch=None, **kwargs):
-    """A causal LM's forward whose loss never materializes the logits (they come back as None)."""
+def _causal_lm_forward(self, input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
+    """A causal LM's forward whose loss never materializes the logits (they come back as None);
+    without ``labels`` (generation, evaluation) the model's own forward runs."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    if labels is None:
+        return type(self).forward(self, input_ids=input_ids, **kwargs)
     kwargs.pop("return_dict", None)
-    if past_key_values is not None:
-        kwargs["past_key_values"] = past_key_values
-    if use_cache is not None:
-        kwargs["use_cache"] = use_cache
-    out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     inputs_embeds=inputs_embeds, **kwargs)
-    hidden = out.last_hidden_state
-    if labels is None:  # generation / evaluation without labels: the plain head
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=getattr(out, "past_key_values", None))
+    hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(hidden.device)
     loss = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
                                         shifted.reshape(-1), num_items_in_batch, self._optstate_slice_bytes)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
+    return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
 def use_chunked_loss(model: torch.nn.Module, slice_bytes: int = SLICE_BYTES) -> torch.nn.Module:

@@ -224,3 +224,20 @@ def test_offloaded_master_weights_first_step_uploads_the_seeded_correction(budge
     """The first fused step of offloaded master weights reads the correction cast_model seeded (it
     is not fresh state like the moments): it is uploaded, not taken from whatever the ring held."""
     assert torch.equal(_master_weight_run(budget), _master_weight_run())
+
+
+def test_pinned_state_is_carved_from_slabs_no_view_straddles():
+    """Pinned host buffers come in slabs (torch rounds each pinned request up to a power of two):
+    every view lies inside one slab, aligned, and a view larger than a slab gets one of its own."""
+    from optstate_core.state.store import pack
+    sizes = [5, 300, 7, 1000, 64, 3, 250]
+    places, slabs = pack(sizes, unit=4, slab=256)
+    assert len(places) == len(sizes)
+    for (i, off), n in zip(places, sizes):
+        assert off % 4 == 0
+        assert off + n <= slabs[i]
+        assert slabs[i] <= 256 or (off == 0 and n > 256)  # only an oversized view makes a slab larger
+    spans = sorted((i, off, off + n) for (i, off), n in zip(places, sizes))
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))  # no two views overlap
+    one, [total] = pack(sizes, unit=4)
+    assert all(i == 0 for i, _ in one) and total == sum(-(-n // 4) * 4 for n in sizes)

@@ -27,6 +27,7 @@ iterations: they tell whether a lower gradient footprint can lower the iteration
 """
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -89,6 +90,27 @@ def profile_iterations(model, opt, tokens, path, rank):
             f.write("\n\ncProfile of opt.step() (3 steps)\n" + out.getvalue())
 
 
+#: the ``--optimizers`` name of torch FSDP2's own offload (``CPUOffloadPolicy``): fp32 shards in pinned
+#: host memory, bf16 parameters and fp32 gradient reduction on the GPU, torch AdamW stepping on the CPU
+CPU_OFFLOAD = object()
+
+
+def all_ranks_max(value: float) -> float:
+    """The largest of every rank's ``value``."""
+    t = torch.tensor([float(value)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def resident_set_gib() -> float:
+    """This process's resident host memory (pinned state included), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 2**30
+    return 0.0
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=16)
@@ -101,6 +123,10 @@ def main():
     parser.add_argument("--only", default=None, help="comma-separated configuration labels to run (default: all)")
     parser.add_argument("--optimizers", default=None, help="contender names (see the module doc) instead of the table")
     parser.add_argument("--model", default=None, help="a named Llama shape for --optimizers (default: 0.95b)")
+    parser.add_argument("--plain-loss", action="store_true",
+                        help="with --model: the model's own loss over whole logits (default: the chunked loss, "
+                             "optstate_core.chunked_loss, which never holds them)")
+    parser.add_argument("--json", default=None, help="rank 0 appends each row to this JSON-lines file as it ends")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,19 +149,37 @@ def main():
         from optstate_core.apps import contenders
         from optstate_core.apps.llama import NAMED_SHAPES
         shape = NAMED_SHAPES[args.model or "0.95b"]
-        configs = {name: contenders.parse(name) for name in args.optimizers.split(",")}
+        configs = {name: CPU_OFFLOAD if name == "fsdp-cpu-offload" else contenders.parse(name)
+                   for name in args.optimizers.split(",")}
     vocab = shape.vocab if shape is not None else 32000
     rows = []
     for label, build in configs.items():
         torch.manual_seed(0)
+        offload = build is CPU_OFFLOAD
+        fsdp_options = {}
+        if offload:  # torch's own offload: fp32 shards in host memory, bf16 compute, AdamW on the CPU
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+            fsdp_options = {"offload_policy": CPUOffloadPolicy(),
+                            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
         def shard(model):
             for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, **fsdp_options)
+            fully_shard(model, **fsdp_options)
 
         if shape is not None:  # a contender: its weights dtype, checkpointing, its own build, sharded on the
             from optstate_core.apps.llama import build_model as build_named  # meta device (70b fits no rank whole)
-            model = build_named(shape, device, build.weights, checkpointing=True, shard=shard)
+            if offload:  # shards built on the host, buffers (rotary frequencies) on the GPU
+                model = build_named(shape, "cpu", torch.float32, checkpointing=True, shard=shard)
+                for module in model.modules():
+                    for key, buf in module._buffers.items():
+                        if buf is not None:
+                            module._buffers[key] = buf.to(device)
+            else:
+                model = build_named(shape, device, build.weights, checkpointing=True, shard=shard)
+            if not args.plain_loss:
+                from optstate_core.chunked_loss import use_chunked_loss
+                use_chunked_loss(model)
         else:
             model = build_model(2048, args.layers, 32000, 5632, device)
             shard(model)
@@ -143,7 +187,9 @@ def main():
         n_local = sum(p._local_tensor.numel() for p in params)
         n_global = sum(p.numel() for p in params)
         undo = None
-        if shape is not None:
+        if offload:
+            opt = torch.optim.AdamW(params, lr=contenders.LR)
+        elif shape is not None:
             opt = contenders.build(build, params, model, max_grad_norm=1.0 if build.release else None)
             if opt is None:  # none / none-bf16: each gradient freed after its reduce-scatter, nothing updated
                 undo = contenders.free_gradients_in_hooks(params)
@@ -151,9 +197,9 @@ def main():
             opt = build(params)
         tokens = torch.randint(0, vocab, (args.batch, args.seq), device=device,
                                generator=torch.Generator(device).manual_seed(rank))
-        iters, steps, hosts, after_backward = [], [], [], []
+        iters, steps, hosts, after_backward, losses = [], [], [], [], []
         phase_peaks = [0.0, 0.0, 0.0]  # forward + loss, backward, step + zero_grad
-        autocast = shape is None or build.autocast
+        autocast = shape is None or (not offload and build.autocast)
         for i in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -178,6 +224,9 @@ def main():
                 opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
+            losses.append(loss.item())
+            if i == 0:
+                first_iteration = time.perf_counter() - t0
             if i >= args.warmup:
                 phase_peaks = [max(a, b / 2**30) for a, b in zip(phase_peaks, peaks)]
                 iters.append((time.perf_counter() - t0) * 1e3)
@@ -186,8 +235,26 @@ def main():
         if args.profile and label == "optstate int8 resident":
             profile_iterations(model, opt, tokens, args.profile, rank)
         held = state_bytes(opt) if hasattr(opt, "state") else 0
+        host = opt.memory_report()["host_bytes"] if hasattr(opt, "memory_report") else 0
+        if offload:  # torch AdamW's state lives beside its host shards
+            held, host = 0, state_bytes(opt)
         rows.append((label, statistics.median(steps), statistics.median(hosts), statistics.median(iters), held,
                      held * 8 / n_local, phase_peaks, max(after_backward), loss.item()))
+        report = {"label": label, "world": world, "device": torch.cuda.get_device_name(), "model": args.model,
+                  "batch": args.batch, "seq": args.seq, "chunked_loss": shape is not None and not args.plain_loss,
+                  "iteration_ms": statistics.median(iters), "iteration_ms_all": iters, "step_ms": statistics.median(steps),
+                  "first_iteration_s": first_iteration, "peak_gib": max(phase_peaks), "phase_peaks_gib": phase_peaks,
+                  "max_peak_gib_over_ranks": all_ranks_max(max(phase_peaks)),
+                  "state_gpu_gib": held / 2**30, "state_host_gib": host / 2**30,
+                  "max_state_host_gib_over_ranks": all_ranks_max(host / 2**30),
+                  "rss_gib": resident_set_gib(), "max_rss_gib_over_ranks": all_ranks_max(resident_set_gib()),
+                  "tokens_per_s": world * args.batch * args.seq / (statistics.median(iters) / 1e3),
+                  "losses": losses, "params": n_global, "torch": torch.__version__}
+        if rank == 0:
+            print("ROW " + json.dumps(report), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(report) + "\n")
         if hasattr(opt, "close"):
             opt.close()
         if undo is not None:

@@ -8,7 +8,7 @@ holds optimizer state, so the mapping is also what checkpoints and frameworks se
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -70,11 +70,30 @@ def allocate(codec: Codec, shape, dtype: torch.dtype, device: torch.device, host
 
 
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
+#: pinned host buffers are carved in slabs of this size: torch's pinned allocator rounds every
+#: request up to a power of two (a 17 GiB buffer took 32 GiB), so slabs of exactly 2**28 bytes
+#: round nothing and only the last slab of each buffer (under 256 MiB) can be rounded up
+PINNED_SLAB_BYTES = 2**28
+
+
+def pack(sizes, unit: int, slab: Optional[int] = None):
+    """``(slab index, offset)`` of each of ``sizes`` elements, every offset a multiple of ``unit``,
+    and the element count of each slab: one slab when ``slab`` is None, else slabs of at most
+    ``slab`` elements that no view straddles (a view larger than ``slab`` gets a slab of its own)."""
+    places, slabs = [], [0]
+    for n in sizes:
+        padded = -(-n // unit) * unit
+        if slab is not None and slabs[-1] and slabs[-1] + padded > slab:
+            slabs.append(0)
+        places.append((len(slabs) - 1, slabs[-1]))
+        slabs[-1] += padded
+    return places, [max(s, 1) for s in slabs]
 
 
 def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device, host: bool,
                   pin_memory: bool) -> list:
-    """Storage for several states of one codec, carved from one buffer per payload key.
+    """Storage for several states of one codec, carved from one buffer per payload key
+    (pinned host memory: from slabs of ``PINNED_SLAB_BYTES``).
 
     One allocation instead of one per tensor: the CUDA caching allocator rounds large blocks up
     to 2 MiB and pinned host memory to powers of two, which for int8 state costs ~5% (measured).
@@ -86,19 +105,16 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
     else:
         layouts = [codec.payload_layout(*EncodedTensor(codec, {}, sh, dtype).slab, dtype) for sh in shapes]
     views = [dict() for _ in shapes]
+    pinned = host and pin_memory
     for key in layouts[0] if layouts else ():
         pdtype = layouts[0][key][1]
-        unit = max(1, ALIGN_BYTES // torch.empty((), dtype=pdtype).element_size())
+        itemsize = torch.empty((), dtype=pdtype).element_size()
+        unit = max(1, ALIGN_BYTES // itemsize)
         sizes = [math.prod(layout[key][0]) for layout in layouts]
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += -(-n // unit) * unit
-        buf = torch.empty(max(total, 1), dtype=pdtype, device=where)
-        if host and pin_memory:
-            buf = buf.pin_memory()
-        for view, layout, off, n in zip(views, layouts, offsets, sizes):
-            view[key] = buf[off:off + n].view(layout[key][0])
+        places, slabs = pack(sizes, unit, PINNED_SLAB_BYTES // itemsize if pinned else None)
+        bufs = [torch.empty(n, dtype=pdtype, device=where, pin_memory=pinned) for n in slabs]
+        for view, layout, (i, off), n in zip(views, layouts, places, sizes):
+            view[key] = bufs[i][off:off + n].view(layout[key][0])
     out = []
     for sh, view in zip(shapes, views):
         if codec.lossless and not host:

@@ -1,0 +1,135 @@
+"""FSDP2 + DCP resume of a named Llama shape on every GPU of a node: save, continue, and resume into a
+fresh model and optimizer that had trained other steps; the resumed run must continue bit for bit.
+
+    torchrun --nproc_per_node 4 tools/fsdp_dcp_resume.py --model 8b --checkpoint /tmp/dcp \
+        --optimizers bf16w-4bit-lean+release,bf16w-4bit-lean-offload+release
+
+The model is built on the meta device and sharded there (each rank materializes its shards), bf16
+weights for ``bf16w-*`` contenders, activation checkpointing, the chunked loss; every rank trains
+on its own random tokens per step. Rank 0 prints one ``ROW {json}`` per contender: the losses of
+the uninterrupted and the resumed run, whether they are equal, how many local parameter shards and
+optimizer-state tensors differ at the end, the checkpoint's size on disk and the save/load seconds.
+"""
+import argparse
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def train(model, opt, first, steps, batch, seq, vocab):
+    """``steps`` steps on tokens drawn from (step, rank); the losses."""
+    losses = []
+    for s in range(first, first + steps):
+        gen = torch.Generator(device="cuda").manual_seed(s * 1000 + dist.get_rank())
+        tokens = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses).tolist()
+
+
+def local_tensors(model, opt):
+    """Every local parameter shard and optimizer-state tensor as DCP sees them, by name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    out = {f"param.{n}": (p._local_tensor if hasattr(p, "_local_tensor") else p).detach().clone()
+           for n, p in model.named_parameters()}
+    for fqn, entry in get_optimizer_state_dict(model, opt)["state"].items():
+        for key, value in entry.items():
+            for name, t in (value.items() if isinstance(value, dict) else [("", value)]):
+                if isinstance(t, torch.Tensor):
+                    out[f"state.{fqn}.{key}.{name}"] = (t._local_tensor if hasattr(t, "_local_tensor") else t).clone()
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="8b")
+    parser.add_argument("--optimizers", default="bf16w-4bit-lean+release")
+    parser.add_argument("--checkpoint", required=True, help="a folder for the DCP checkpoints (removed after each)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=3, help="steps before the save, and after it")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    from optstate_core.apps import contenders
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model
+    from optstate_core.chunked_loss import use_chunked_loss
+
+    shape = NAMED_SHAPES[args.model]
+
+    def shard(model):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    def fresh(c, seed):
+        model = use_chunked_loss(build_model(shape, "cuda", c.weights, checkpointing=True, seed=seed, shard=shard))
+        return model, contenders.build(c, list(model.parameters()), model, max_grad_norm=1.0 if c.release else None)
+
+    for name in args.optimizers.split(","):
+        c = contenders.parse(name)
+        path = os.path.join(args.checkpoint, name.replace("+", "_"))
+        run = (args.batch, args.seq, shape.vocab)
+        model, opt = fresh(c, seed=0)
+        before = train(model, opt, 0, args.steps, *run)
+        dist.barrier()
+        t0 = time.perf_counter()
+        save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+        dist.barrier()
+        save_s = time.perf_counter() - t0
+        expected = train(model, opt, args.steps, args.steps, *run)
+        final = local_tensors(model, opt)
+        if hasattr(opt, "close"):
+            opt.close()
+        del model, opt
+        torch.cuda.empty_cache()
+        model, opt = fresh(c, seed=1)
+        train(model, opt, 10_000, 1, *run)  # other data: the load must overwrite everything
+        t0 = time.perf_counter()
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        load(sd, checkpoint_id=path)
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        del sd
+        dist.barrier()
+        load_s = time.perf_counter() - t0
+        resumed = train(model, opt, args.steps, args.steps, *run)
+        ended = local_tensors(model, opt)
+        differing = sorted(k for k in final if not torch.equal(final[k], ended.get(k, torch.empty(0))))
+        missing = len(set(final) ^ set(ended))
+        counts = torch.tensor([len(differing), missing, int(resumed != expected)], device="cuda")
+        dist.all_reduce(counts)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) if rank == 0 else 0
+        if rank == 0:
+            print("ROW " + json.dumps({
+                "optimizer": name, "model": args.model, "world": world, "device": torch.cuda.get_device_name(),
+                "batch": args.batch, "seq": args.seq, "losses_before": before, "expected": expected,
+                "resumed": resumed, "equal_losses_all_ranks": int(counts[2]) == 0,
+                "differing_tensors_all_ranks": int(counts[0]), "unmatched_names_all_ranks": int(counts[1]),
+                "first_differing_rank0": differing[:5], "tensors_compared_rank0": len(final),
+                "checkpoint_gb": size / 1e9, "save_s": save_s, "load_s": load_s, "torch": torch.__version__}),
+                flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+        if hasattr(opt, "close"):
+            opt.close()
+        del model, opt, final, ended
+        torch.cuda.empty_cache()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
