@@ -226,18 +226,31 @@ def test_offloaded_master_weights_first_step_uploads_the_seeded_correction(budge
     assert torch.equal(_master_weight_run(budget), _master_weight_run())
 
 
-def test_pinned_state_is_carved_from_slabs_no_view_straddles():
-    """Pinned host buffers come in slabs (torch rounds each pinned request up to a power of two):
-    every view lies inside one slab, aligned, and a view larger than a slab gets one of its own."""
-    from optstate_core.state.store import pack
-    sizes = [5, 300, 7, 1000, 64, 3, 250]
-    places, slabs = pack(sizes, unit=4, slab=256)
-    assert len(places) == len(sizes)
-    for (i, off), n in zip(places, sizes):
-        assert off % 4 == 0
-        assert off + n <= slabs[i]
-        assert slabs[i] <= 256 or (off == 0 and n > 256)  # only an oversized view makes a slab larger
-    spans = sorted((i, off, off + n) for (i, off), n in zip(places, sizes))
-    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))  # no two views overlap
-    one, [total] = pack(sizes, unit=4)
-    assert all(i == 0 for i, _ in one) and total == sum(-(-n // 4) * 4 for n in sizes)
+
+def test_pinned_state_is_carved_from_whole_slabs():
+    """Offloaded state's pinned memory comes from slabs of one power-of-two size (torch rounds every
+    pinned request up to a power of two): views lie inside one slab, aligned, never overlapping; a
+    request larger than a slab gets its own; allocate_many draws every view from the arena."""
+    from optstate_core.state.codecs import codec_from_config
+    from optstate_core.state.pinned import PinnedArena
+    from optstate_core.state.store import allocate_many
+    arena = PinnedArena(slab_bytes=256, pin=False)
+    views = [arena.take(n, torch.float32, (n,)) for n in (5, 30, 7, 20, 100, 3)]
+    assert arena.slabs_allocated == 3  # [5, 30, 7] then [20, 3] in slabs of 256 B; 100 floats (400 B) alone
+    spans = []
+    for v in views:
+        assert v.data_ptr() % 16 == 0
+        base = v.untyped_storage().data_ptr()
+        spans.append((base, v.data_ptr() - base, v.data_ptr() - base + v.numel() * 4))
+        assert spans[-1][2] <= max(256, v.numel() * 4)
+    spans.sort()
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+    for i, v in enumerate(views):
+        v.fill_(i)
+    assert all(bool((v == i).all()) for i, v in enumerate(views))  # no view wrote over another
+    codec = codec_from_config({"name": "int8"})
+    out = allocate_many(codec, [(4, 8), (3, 8)], torch.float32, torch.device("cpu"), host=True, pin_memory=True,
+                        arena=arena)
+    for st in out:
+        for t in st.payload.values():
+            assert t.untyped_storage().nbytes() == 256  # a slab of the arena

@@ -51,7 +51,8 @@ class Conformer:
                     wanted.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key))
         for (codec, host, device, dtype), items in wanted.items():
             pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
-            values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin)
+            values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin,
+                                   engine.pinned)
             for (w, key), value in zip(items, values):
                 w.dest[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
                     else value
@@ -64,7 +65,7 @@ class Conformer:
         if current is not None and matches(current, codec, host, w.param.device):
             return current
         pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
-        dest = allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin)
+        dest = allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin, engine.pinned)
         return like_param(w.key, dest) if isinstance(dest, torch.Tensor) and is_dtensor(w.key) else dest
 
     def conform(self, params=None) -> None:
@@ -100,7 +101,7 @@ class Conformer:
         for (codec, host, device, dtype), items in moves.items():
             pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
             for (w, key, src), dst in zip(items, allocate_many(codec, [v.shape for _, _, v in items], dtype,
-                                                                device, host, pin)):
+                                                                device, host, pin, engine.pinned)):
                 for name, t in dst.payload.items():
                     t.copy_(src.payload[name])
                 w.state[key] = dst

@@ -42,6 +42,7 @@ from ..step.router import Router
 from .placement import Placement
 from ..policy import ParamInfo, Policy
 from .timetable import StepSchedule
+from ..state.pinned import PinnedArena
 from ..state.store import StateMap
 from ..step.tiled import TiledStep
 from .transfer import Transfers
@@ -70,6 +71,7 @@ class Engine:
         self.chunk_size = chunk_size
         self.initial_chunk_size = initial_chunk_size
         self.pin_memory = pin_memory
+        self.pinned = PinnedArena()  # offloaded state's pinned host memory, in whole slabs
         self.skip_nonfinite = skip_nonfinite
         self.seed = seed
         self.granularity = granularity  # see step/granularity.py
@@ -356,6 +358,7 @@ class Engine:
         self.kernels.close()
         self.invalidate_plan()
         self.state.clear()
+        self.pinned.close()
 
     def nonfinite_skipped(self) -> int:
         """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""

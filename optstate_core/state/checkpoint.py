@@ -249,7 +249,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
     _check_same_keys(keys_by_group)
     pin = engine.pin_memory if engine.pin_memory is not None else torch.cuda.is_available()
     for (codec, host, device, dtype), items in encoded.items():
-        placed = allocate_many(codec, [src.shape for _, _, src in items], dtype, device, host, pin)
+        placed = allocate_many(codec, [src.shape for _, _, src in items], dtype, device, host, pin, engine.pinned)
         for (st, key, src), dst in zip(items, placed):
             for name, t in dst.payload.items():
                 t.copy_(src.payload[name])

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from .codecs import Codec, EncodedTensor
+from .pinned import ALIGN_BYTES, PinnedArena
 from .dtensor import local
 
 
@@ -59,41 +60,15 @@ def matches(current, codec: Codec, host: bool, device: torch.device) -> bool:
 
 
 def allocate(codec: Codec, shape, dtype: torch.dtype, device: torch.device, host: bool,
-             pin_memory: bool) -> Union[torch.Tensor, EncodedTensor]:
+             pin_memory: bool, arena: Optional[PinnedArena] = None) -> Union[torch.Tensor, EncodedTensor]:
     """Empty storage for one state in its target form (raw tensor only for device fp32)."""
-    if codec.lossless and not host:
-        return torch.empty(shape, dtype=dtype, device=device)
-    rows_cols = EncodedTensor(codec, {}, shape, dtype).slab
-    where = torch.device("cpu") if host else device
-    payload = codec.empty(*rows_cols, where, dtype, pin_memory=(host and pin_memory))
-    return EncodedTensor(codec, payload, shape, dtype, host_tier=host)
-
-
-ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
-#: pinned host buffers are carved in slabs of this size: torch's pinned allocator rounds every
-#: request up to a power of two (a 17 GiB buffer took 32 GiB), so slabs of exactly 2**28 bytes
-#: round nothing and only the last slab of each buffer (under 256 MiB) can be rounded up
-PINNED_SLAB_BYTES = 2**28
-
-
-def pack(sizes, unit: int, slab: Optional[int] = None):
-    """``(slab index, offset)`` of each of ``sizes`` elements, every offset a multiple of ``unit``,
-    and the element count of each slab: one slab when ``slab`` is None, else slabs of at most
-    ``slab`` elements that no view straddles (a view larger than ``slab`` gets a slab of its own)."""
-    places, slabs = [], [0]
-    for n in sizes:
-        padded = -(-n // unit) * unit
-        if slab is not None and slabs[-1] and slabs[-1] + padded > slab:
-            slabs.append(0)
-        places.append((len(slabs) - 1, slabs[-1]))
-        slabs[-1] += padded
-    return places, [max(s, 1) for s in slabs]
+    return allocate_many(codec, [shape], dtype, device, host, pin_memory, arena)[0]
 
 
 def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device, host: bool,
-                  pin_memory: bool) -> list:
-    """Storage for several states of one codec, carved from one buffer per payload key
-    (pinned host memory: from slabs of ``PINNED_SLAB_BYTES``).
+                  pin_memory: bool, arena: Optional[PinnedArena] = None) -> list:
+    """Storage for several states of one codec, carved from one buffer per payload key (pinned
+    host memory: from ``arena``'s slabs when one is given, see :mod:`.pinned`).
 
     One allocation instead of one per tensor: the CUDA caching allocator rounds large blocks up
     to 2 MiB and pinned host memory to powers of two, which for int8 state costs ~5% (measured).
@@ -108,13 +83,19 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
     pinned = host and pin_memory
     for key in layouts[0] if layouts else ():
         pdtype = layouts[0][key][1]
-        itemsize = torch.empty((), dtype=pdtype).element_size()
-        unit = max(1, ALIGN_BYTES // itemsize)
+        unit = max(1, ALIGN_BYTES // torch.empty((), dtype=pdtype).element_size())
         sizes = [math.prod(layout[key][0]) for layout in layouts]
-        places, slabs = pack(sizes, unit, PINNED_SLAB_BYTES // itemsize if pinned else None)
-        bufs = [torch.empty(n, dtype=pdtype, device=where, pin_memory=pinned) for n in slabs]
-        for view, layout, (i, off), n in zip(views, layouts, places, sizes):
-            view[key] = bufs[i][off:off + n].view(layout[key][0])
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // unit) * unit
+        if pinned and arena is not None:  # each view from the arena's slabs (packed there the same way)
+            for view, layout, n in zip(views, layouts, sizes):
+                view[key] = arena.take(n, pdtype, layout[key][0])
+            continue
+        buf = torch.empty(max(total, 1), dtype=pdtype, device=where, pin_memory=pinned)
+        for view, layout, off, n in zip(views, layouts, offsets, sizes):
+            view[key] = buf[off:off + n].view(layout[key][0])
     out = []
     for sh, view in zip(shapes, views):
         if codec.lossless and not host:

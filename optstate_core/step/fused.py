@@ -229,7 +229,7 @@ class FusedPath:
             if missing:
                 dtype = torch.float32 if codec.lossless or plan["master"] else missing[0].param.dtype
                 values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
-                                       host=on_host, pin_memory=on_host and pin)
+                                       host=on_host, pin_memory=on_host and pin, arena=self.engine.pinned)
                 for w, value in zip(missing, values):
                     w.state[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
                         else value
@@ -237,7 +237,7 @@ class FusedPath:
         if missing:  # the correction starts from what cast_model dropped, else zero
             codec = plan["master_codec"]
             values = allocate_many(codec, [w.param.shape for w in missing], torch.float32, missing[0].param.device,
-                                   host=host[-1], pin_memory=host[-1] and pin)
+                                   host=host[-1], pin_memory=host[-1] and pin, arena=self.engine.pinned)
             for w, value in zip(missing, values):
                 self._seed_correction(w, value, codec)
                 w.state[MASTER_KEY] = value
