@@ -294,13 +294,13 @@ def test_plan_pick_keeps_masters_for_bf16_weights():
 
 
 def test_named_models_plan_as_their_config_json(tmp_path, capsys):
-    """``--model 8b`` is Llama-3-8B's config.json: the same table, word for word after the source."""
+    """``--model 8b`` is Llama-3-8B's config.json: the same table and recipe, word for word after the source."""
     from optstate_core.apps.llama import NAMED_SHAPES
     path = tmp_path / "config.json"
     path.write_text(json.dumps(NAMED_SHAPES["8b"].hf_config()))
     common = ["plan", "--gpu-memory", "24GB", "--weights-dtype", "bf16", "--release-gradients", "--batch", "1x2048"]
     outputs = []
-    for source in (["--model", "8b"], ["--config", str(path)]):
+    for source in (["--model", "8b"], ["--config", str(path), "--recipe"]):  # --model prints the recipe
         assert cli.main(common + source) == 0
         outputs.append(capsys.readouterr().out.split("\n", 1)[1])
     assert outputs[0] == outputs[1]
@@ -319,3 +319,133 @@ def test_a_70b_model_on_one_4_gpu_node(capsys):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert _fits(rows["bf16w-4bit-lean"]) == "no" and _fits(rows["bf16w-4bit-lean-offload"]) == "yes"
     assert any(name.startswith("bf16w-4bit-lean + gpu_budget=") and _fits(row) == "yes" for name, row in rows.items())
+
+
+# -- the one-GPU recipe (issue 39) --------------------------------------------------------------
+def test_fused_loss_replaces_the_logits_term():
+    """fused_loss=True: the 10*b*s*V logits term becomes the chunked loss's slice of logits (fp32 and
+    bf16), its fp32 gradient accumulator of the hidden states and the per-token statistics."""
+    from optstate_core.chunked_loss import SLICE_BYTES
+    b, s, h, i, layers, vocab = 2, 128, 64, 128, 2, 1000
+    tokens = b * s
+    body = tokens * (layers * h * 2 + (10 * h + 8 * i) * 2)
+    rows = min(vocab, max(128, SLICE_BYTES // (6 * tokens) // 128 * 128))  # 1000: the whole vocabulary
+    assert rows == 1000
+    assert plan.checkpointed_activation_bytes(TINY_LLAMA, b, s) == body + 10 * tokens * vocab  # unchanged
+    assert plan.checkpointed_activation_bytes(TINY_LLAMA, b, s, fused_loss=True) == \
+        body + 6 * tokens * rows + 4 * tokens * h + 16 * tokens
+    # Llama-3-8B at 1x2048: slices of 21760 rows (21845 rounded down to 128s) instead of 128256
+    from optstate_core.apps.llama import NAMED_SHAPES
+    cfg = NAMED_SHAPES["8b"].hf_config()
+    saved = plan.checkpointed_activation_bytes(cfg, 1, 2048) - plan.checkpointed_activation_bytes(cfg, 1, 2048, True)
+    assert saved == 2048 * (10 * 128256 - 6 * 21760 - 4 * 4096 - 16)
+
+
+def _recipe_lines(out: str):
+    """The recipe's micro-batch rows {micro-batch: cells} and its text after the table."""
+    text = out[out.index("## Recipe"):]
+    table = {int(line.split("|")[1]): [c.strip() for c in line.split("|")[2:-1]]
+             for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    return table, text
+
+
+def _largest(text: str, label: str) -> int:
+    return int(next(line for line in text.splitlines() if line.startswith(label)).rsplit(":", 1)[1])
+
+
+def _expected(gpu: int):
+    """What the plan itself computes at micro-batch 1 with the fused loss: the first candidate that fits."""
+    from optstate_core.apps import recipe
+    from optstate_core.apps.llama import NAMED_SHAPES
+    cfg = NAMED_SHAPES["8b"].hf_config()
+    act = plan.checkpointed_activation_bytes(cfg, 1, 2048, fused_loss=True)
+    p = plan.make_plan(plan.config_shapes(cfg), gpu, "adamw",
+                       ["bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr", "bf16w-4bit-lean-offload"],
+                       "bf16", "bf16", act, release_gradients=True)
+    budget = next((r for r in p.rows if r.gpu_budget is not None), None)
+    by = {r.name: r for r in p.rows}
+    order = [("bf16w-4bit-lean", by["bf16w-4bit-lean"]), ("bf16w-4bit-lean-hostcorr", by["bf16w-4bit-lean-hostcorr"]),
+             (recipe.BUDGET, budget), ("bf16w-4bit-lean-offload", by["bf16w-4bit-lean-offload"])]
+    return next((name, row) for name, row in order if row is not None and row.fits)
+
+
+def test_recipe_8b_on_24gb_streams_state_and_the_fused_loss_fits_more(capsys):
+    assert cli.main(["plan", "--model", "8b", "--gpu-memory", "24GB"]) == 0
+    table, text = _recipe_lines(capsys.readouterr().out)
+    name, row = _expected(24 * 10**9)
+    assert row.state.host > 0 and (row.gpu_budget is not None or name.endswith("-offload"))
+    assert f"preset: {name} (" in text
+    fused, plain = _largest(text, "largest micro-batch with the fused"), _largest(text, "with the plain loss")
+    assert fused > plain and fused >= 1
+    assert table[1][5] == "yes"
+    assert table[1][4] == plan.gib(row.total_gpu)  # the fused column's GPU total is the plan's row
+    assert f"PCIe per step, each way: {plan.gib(row.pcie_bytes)}, {row.pcie_bytes / plan.PCIE_BYTES_PER_S:.2f} s" \
+        in text  # (the largest fused micro-batch is 1 here: the row above)
+    assert fused == 1
+    assert f"run: python examples/finetune_8b_24gb.py --gpu-memory 24GB --preset {name.split(' + ')[0]} " \
+        f"--micro-batch {fused}" in text
+    assert max(table) == fused + 1 and table[fused + 1][2] == table[fused + 1][5] == "no"  # stops at the first misfit
+    # tokens/s against resident: compute = (8 * params + 2 * hidden * vocab) * tokens / 470e12; step = max(compute, copy)
+    compute = (8 * 8_030_261_248 + 2 * 4096 * 128256) * 2048 / 470e12
+    step = max(compute, row.pcie_bytes / plan.PCIE_BYTES_PER_S)
+    assert f"expected at micro-batch 1: {2048 / step:,.0f} tokens/s, {compute / step:.2f}x the " \
+        f"{2048 / compute:,.0f} tokens/s" in text
+    assert compute / step < 1  # the copies outlast compute at micro-batch 1
+
+
+def test_recipe_8b_on_80gb_is_resident(capsys):
+    assert cli.main(["plan", "--model", "8b", "--gpu-memory", "80GB"]) == 0
+    table, text = _recipe_lines(capsys.readouterr().out)
+    assert _expected(80 * 10**9)[0] == "bf16w-4bit-lean"
+    assert "preset: bf16w-4bit-lean (" in text and "PCIe per step, each way: 0 (all state resident)" in text
+    assert _largest(text, "largest micro-batch with the fused") > _largest(text, "with the plain loss") >= 1
+    assert "1.00x the" in text and "--preset bf16w-4bit-lean --micro-batch" in text
+
+
+def test_recipe_8b_on_32gb_follows_the_plan(capsys):
+    from optstate_core.apps import recipe
+    from optstate_core.apps.llama import NAMED_SHAPES
+    name, row = _expected(32 * 10**9)
+    assert cli.main(["plan", "--model", "8b", "--gpu-memory", "32GB"]) == 0
+    table, text = _recipe_lines(capsys.readouterr().out)
+    assert f"preset: {name} (" in text and name != "bf16w-4bit-lean"  # resident does not fit 32 GB
+    r = recipe.recipe(NAMED_SHAPES["8b"].hf_config(), 32 * 10**9)
+    assert r.preset == name and r.row(1).total_gpu == row.total_gpu
+    for m in r.micro_batches:  # every cell is the plan's own row at that micro-batch's activations
+        assert table[m.size][2] == ("yes" if m.fits(False) else "no")
+        assert table[m.size][5] == ("yes" if m.fits(True) else "no")
+        assert m.rows[True].total_gpu - m.rows[False].total_gpu == m.activations[True] - m.activations[False]
+    assert _largest(text, "largest micro-batch with the fused") == r.largest(True) >= r.largest(False)
+    big = r.row(r.largest(True))
+    assert f"PCIe per step, each way: {plan.gib(big.pcie_bytes)}" in text
+
+
+def test_recipe_when_nothing_fits(capsys):
+    assert cli.main(["plan", "--model", "70b", "--gpu-memory", "24GB"]) == 0
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if line.startswith("nothing fits at micro-batch 1"))
+    assert "needs" in line and "FSDP2" in line and "run: python" not in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "8b", "--tflops", "0"], "--tflops"),
+    (["--model", "8b", "--seq", "0"], "--seq"),
+    (["--params", "8B", "--recipe"], "--recipe"),
+    (["--model", "8b", "--recipe", "--gpus", "2"], "--recipe"),
+])
+def test_recipe_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(ValueError, match=message):
+        cli.main(["--verbose", "plan", *argv])
+
+
+def test_recipe_only_with_a_model_or_asked_for(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    assert cli.main(["plan", "--config", str(path), "--presets", "8bit"]) == 0
+    assert "## Recipe" not in capsys.readouterr().out
+    assert cli.main(["plan", "--config", str(path), "--recipe", "--seq", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "## Recipe" in out and "sequences of 64 tokens" in out and "micro-batch 32" in out

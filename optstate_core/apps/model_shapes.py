@@ -141,14 +141,16 @@ def load_config(path: str) -> dict:
         raise ValueError(f"--config: {path!r} is not valid JSON: {e}") from None
 
 
-def checkpointed_activation_bytes(config: dict, batch: int, seq: int) -> int:
+def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss: bool = False) -> int:
     """An estimate of a Llama-family causal LM's activation memory with activation checkpointing
     (one checkpoint per decoder layer), bf16 compute: every layer's saved input (``b*s*h`` bf16),
     one layer recomputed in backward (``b*s*(10h + 8i)`` bf16 values: attention and SwiGLU
     intermediates and their gradients) and the logits (bf16, their fp32 copy for the loss and
     its fp32 gradient: ``10*b*s*V`` bytes). The constants 10 and 8 fit one measurement: a
     Llama-3-8B shape at 1x2048 took 3.56 GiB (BENCHMARKS.md section 23); measure your own run
-    (``optstate bench --peak-bytes``) before relying on it."""
+    (``optstate bench --peak-bytes``) before relying on it. ``fused_loss``: the loss over
+    vocabulary slices (:mod:`optstate_core.chunked_loss`) instead of whole logits, its
+    :func:`~optstate_core.chunked_loss.chunked_loss_bytes` in place of the ``10*b*s*V`` term."""
     if "text_config" in config and "hidden_size" not in config:
         config = config["text_config"]
     try:
@@ -158,7 +160,11 @@ def checkpointed_activation_bytes(config: dict, batch: int, seq: int) -> int:
         raise ValueError("--batch: the activation estimate needs a Llama-family --config (hidden_size, "
                          "intermediate_size, num_hidden_layers, vocab_size); give --activations instead") from None
     tokens = batch * seq
-    return tokens * (layers * h * 2 + (10 * h + 8 * i) * 2 + 10 * vocab)
+    body = tokens * (layers * h * 2 + (10 * h + 8 * i) * 2)
+    if fused_loss:
+        from ..chunked_loss import chunked_loss_bytes
+        return body + chunked_loss_bytes(tokens, h, vocab)
+    return body + tokens * 10 * vocab
 
 
 def parse_batch(text: str) -> Tuple[int, int]:

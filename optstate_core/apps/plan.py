@@ -14,6 +14,10 @@ frees gradients in backward, so at most a batch of them is alive (``release_buck
 MiB by default, plus the largest parameter's). Rows with state in host memory also say what it
 costs: the bytes that cross PCIe each step (each way) and the time that takes at ``--pcie-gbps``,
 a floor for the step when nothing hides the copies.
+
+With ``--model`` (or ``--config`` and ``--recipe``) a one-GPU fine-tuning recipe follows the table
+(:mod:`optstate_core.apps.recipe`): the preset, the micro-batches that fit with and without the
+fused (chunked) loss, what crosses PCIe per step and the tokens/s to expect against resident state.
 """
 from __future__ import annotations
 
@@ -399,6 +403,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations with activation checkpointing instead of giving --activations")
     parser.add_argument("--presets", default=",".join(p for p in PRESETS if p != "default"),
                         help="comma-separated presets to show (default: %(default)s)")
+    from .recipe import DEFAULT_SEQ, DEFAULT_TFLOPS
+    parser.add_argument("--recipe", action="store_true",
+                        help="after the table, the one-GPU fine-tuning recipe (preset, micro-batches with and "
+                             "without the fused loss, PCIe per step, tokens/s) also for --config; always for --model")
+    parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
+                        help="the recipe's tokens per sequence (default: %(default)s)")
+    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
+                        help="the recipe's achieved bf16 TFLOP/s of forward + backward with checkpointing "
+                             "(default: %(default)s, one H100 on Llama-3-8B shapes at 1x2048)")
 
 
 def plan_from_args(args) -> Plan:
@@ -432,5 +445,9 @@ def plan_from_args(args) -> Plan:
 
 
 def run(args) -> int:
+    from .recipe import format_recipe, recipe_from_args
+    rec = recipe_from_args(args)  # its argument checks before any output
     print(format_plan(plan_from_args(args)))
+    if rec is not None:
+        print("\n" + format_recipe(rec))
     return 0
