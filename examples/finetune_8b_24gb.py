@@ -209,9 +209,9 @@ def build_optimizer(args, model):
         return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, lr=args.lr, betas=BETAS,
                                    eps=EPS, weight_decay=args.weight_decay, fused=True)
     import optstate_core as oc
+    names = {"named_parameters": list(model.named_parameters())} if world_size() == 1 else {}  # FSDP2 swaps them
     return oc.wrap(base_adamw(params, args, fused=cuda or None), args.preset, release_gradients=True,
-                   max_grad_norm=MAX_GRAD_NORM, gpu_budget=args.gpu_budget_bytes,
-                   named_parameters=list(model.named_parameters()))
+                   max_grad_norm=MAX_GRAD_NORM, gpu_budget=args.gpu_budget_bytes, **names)
 
 
 def clips_itself(args) -> bool:
@@ -444,6 +444,8 @@ def check_available(args) -> None:
     module = {"torchao-offload": "torchao.optim", "deepspeed-offload": "deepspeed"}.get(args.optimizer)
     if module is None:
         return
+    if not torch.cuda.is_available():
+        sys.exit(f"--optimizer {args.optimizer} needs a CUDA device")
     try:
         __import__(module)
     except ImportError as e:
