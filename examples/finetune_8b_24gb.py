@@ -1,0 +1,474 @@
+#!/usr/bin/env python3
+"""Fully fine-tune Llama-3-8B with exact AdamW on one 24 GB card: the HF Trainer, Lightning or
+Accelerate, and the same run with the peers (plain AdamW, torchao's CPUOffloadOptimizer,
+DeepSpeed ZeRO-2 with CPU offload), timed and measured the same way.
+
+The recipe: bf16 weights, activation checkpointing, the loss over vocabulary slices
+(``use_chunked_loss``: the 128256-word logits never whole), and the ``bf16w-4bit-lean-offload``
+preset with gradient release: the fp32 master weights (bf16 + an 8-bit correction) and the
+4-bit moments live in pinned host memory and stream through the GPU each step; each gradient is
+applied in backward and freed. The GPU keeps the bf16 weights, one bucket of gradients and the
+activations. ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB card
+(``torch.cuda.set_per_process_memory_fraction``), so an allocation past it fails as on a 24 GB card.
+
+    # the 24 GB recipe (HF Trainer; an 8B-shaped model built in seconds on the GPU, random weights)
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-memory 24GB
+    # a real checkpoint (a local directory in Hugging Face format)
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --model /path/to/Meta-Llama-3-8B --gpu-memory 24GB
+    # the same through Lightning or Accelerate
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --framework lightning --gpu-memory 24GB
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --framework accelerate --gpu-memory 24GB
+    # resident state up to 2 GiB, the rest streamed; the largest micro-batch under the cap
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --preset bf16w-4bit-lean --gpu-budget 2GiB \\
+        --gpu-memory 24GB
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-memory 24GB --find-micro-batch
+    # the peers (same model, data, loss and measurement)
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer adamw            # needs ~16 B/param
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer torchao-offload --gpu-memory 24GB
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer deepspeed-offload --gpu-memory 24GB
+    # CPU smoke run (what the tests do)
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --shape tiny --seq 32 --steps 3 --micro-batch 2
+
+Each run prints one markdown table row (framework, optimizer, preset, micro-batch, cap, first
+step s, median s/step after the first 2, tokens/s, peak GiB from ``torch.cuda.max_memory_allocated``,
+first and last loss); ``--json PATH`` appends the same fields as a JSON line.
+
+Several GPUs (``torchrun --nproc-per-node N`` or ``accelerate launch``; WORLD_SIZE > 1): the
+Trainer gets ``fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True,
+"activation_checkpointing": False}`` (transformers 5.x spells FSDP2 ``version``; checkpointing is
+the model's own), Accelerate a ``FullyShardedDataParallelPlugin(fsdp_version=2,
+reshard_after_forward=True, activation_checkpointing=False)``. Lightning stays single-device here.
+
+Data: nothing is downloaded. One global batch of fixed random token sequences (a fixed generator,
+tokens from the first 2048 ids) is seen at every step, in order, so the loss falls visibly within a
+few steps; the timing is that of any data of this shape.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+
+FRAMEWORKS = ("trainer", "lightning", "accelerate")
+OPTIMIZERS = ("optstate", "adamw", "torchao-offload", "deepspeed-offload")
+SHAPES = ("8b", "70b", "0.95b", "tiny")
+BETAS, EPS = (0.9, 0.999), 1e-8
+MAX_GRAD_NORM = 1.0
+
+
+# -- arguments ------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    from optstate_core.presets import PRESET_ALIASES, PRESETS
+    from optstate_core.state.units import parse_bytes
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--framework", default="trainer", choices=FRAMEWORKS)
+    p.add_argument("--optimizer", default="optstate", choices=OPTIMIZERS)
+    p.add_argument("--preset", default="bf16w-4bit-lean-offload",
+                   help="optstate preset of --optimizer optstate (a bf16w-* preset: the model's weights are bf16)")
+    p.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (overrides --shape)")
+    p.add_argument("--shape", default="8b", choices=SHAPES, help="a Llama shape built with random weights")
+    p.add_argument("--gpu-budget", default=None, help="optimizer state kept on the GPU, e.g. 2GiB (optstate)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="cap this process's GPU memory, e.g. 24GB (GB = 1e9 bytes, GiB = 2**30)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plain-loss", action="store_true", help="the model's own loss (whole logits)")
+    p.add_argument("--find-micro-batch", action="store_true",
+                   help="try micro-batches 1, 2, 4, ... (2 steps each) and report the largest that runs")
+    p.add_argument("--max-micro-batch", type=int, default=256, help="where --find-micro-batch stops")
+    p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
+    args = p.parse_args(argv)
+    for name in ("micro_batch", "seq", "steps", "max_micro_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0 or not math.isfinite(args.lr):
+        p.error(f"--lr must be a positive number, got {args.lr}")
+    if args.weight_decay < 0:
+        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.optimizer == "deepspeed-offload" and args.framework != "trainer":
+        p.error(f"--optimizer deepspeed-offload runs through --framework trainer only, not {args.framework}")
+    args.preset = PRESET_ALIASES.get(args.preset, args.preset)
+    if args.optimizer == "optstate" and args.preset not in PRESETS:
+        p.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset!r}")
+    if args.gpu_budget is not None and args.optimizer != "optstate":
+        p.error("--gpu-budget applies to --optimizer optstate only")
+    for flag, attr in (("--gpu-memory", "gpu_memory"), ("--gpu-budget", "gpu_budget")):
+        value = getattr(args, attr)
+        if value is not None:
+            try:
+                setattr(args, attr + "_bytes", parse_bytes(value, flag))
+            except ValueError as e:
+                p.error(str(e))
+        else:
+            setattr(args, attr + "_bytes", None)
+    if args.model is not None and not Path(args.model).is_dir():
+        p.error(f"--model must be a local checkpoint directory, got {args.model!r}")
+    return args
+
+
+# -- device, model, data --------------------------------------------------------------------------
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def device() -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def cap_gpu_memory(cap_bytes) -> None:
+    """Cap this process's allocations at ``cap_bytes`` (before anything is allocated)."""
+    if cap_bytes is None or not torch.cuda.is_available():
+        return
+    dev = device()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), dev)
+
+
+def enable_checkpointing(model) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_model(args):
+    """bf16 weights on the device, activation checkpointing, the chunked loss."""
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model
+    from optstate_core.chunked_loss import use_chunked_loss
+
+    dev = device()
+    if args.model is not None:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map={"": dev})
+        model.config.use_cache = False
+        enable_checkpointing(model)
+        model.train()
+    else:
+        model = build_model(NAMED_SHAPES[args.shape], dev, torch.bfloat16, checkpointing=True, seed=args.seed)
+    if not args.plain_loss:
+        use_chunked_loss(model)
+    return model
+
+
+class RepeatedSequences(torch.utils.data.Dataset):
+    """``n`` rows cycling through ``distinct`` fixed random sequences: {input_ids, labels}. With
+    ``distinct`` = the global batch and sequential order, every step sees the same sequences, so
+    the loss of consecutive steps is comparable and falls."""
+
+    def __init__(self, n: int, distinct: int, seq: int, vocab: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, min(vocab, 2048), (distinct, seq), generator=g)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = self.rows[i % len(self.rows)]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def dataset(args, model) -> RepeatedSequences:
+    batch = args.micro_batch * world_size()
+    return RepeatedSequences(args.steps * batch, batch, args.seq, model.config.vocab_size, args.seed)
+
+
+# -- optimizers -------------------------------------------------------------------------------------
+def base_adamw(params, args, fused=None):
+    return torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS, weight_decay=args.weight_decay, fused=fused)
+
+
+def build_optimizer(args, model):
+    """The optimizer object for Lightning / Accelerate / the Trainer's peers."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    cuda = params[0].is_cuda
+    if args.optimizer == "adamw":
+        return base_adamw(params, args, fused=cuda or None)
+    if args.optimizer == "torchao-offload":
+        from torchao.optim import CPUOffloadOptimizer
+        return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, lr=args.lr, betas=BETAS,
+                                   eps=EPS, weight_decay=args.weight_decay, fused=True)
+    import optstate_core as oc
+    names = {"named_parameters": list(model.named_parameters())} if world_size() == 1 else {}  # FSDP2 swaps them
+    return oc.wrap(base_adamw(params, args, fused=cuda or None), args.preset, release_gradients=True,
+                   max_grad_norm=MAX_GRAD_NORM, gpu_budget=args.gpu_budget_bytes, **names)
+
+
+def clips_itself(args) -> bool:
+    """Whether the framework's own gradient clipping applies: not for optstate (release: the
+    optimizer clips) nor torchao with offload_gradients (no gradient stays on the parameters)."""
+    return args.optimizer in ("adamw", "deepspeed-offload")
+
+
+# -- timing ---------------------------------------------------------------------------------------------
+class StepTimer:
+    """Wall time of each optimizer step, CUDA synchronised at both ends."""
+
+    def __init__(self):
+        self.seconds, self.losses, self._t0 = [], [], None
+
+    @staticmethod
+    def _sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def begin(self):
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def end(self, loss=None):
+        self._sync()
+        self.seconds.append(time.perf_counter() - self._t0)
+        if loss is not None:
+            self.losses.append(float(loss))
+
+
+# -- the three frameworks ----------------------------------------------------------------------------
+def run_trainer(args, timer: StepTimer):
+    import optstate_hf
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    model = load_model(args)
+
+    class Timing(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            timer.begin()
+
+        def on_step_end(self, a, state, control, **kw):
+            timer.end()
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                timer.losses.append(float(logs["loss"]))
+
+    kwargs = dict(output_dir=os.environ.get("FINETUNE_OUT", "/tmp/finetune_8b_24gb"), max_steps=args.steps,
+                  per_device_train_batch_size=args.micro_batch, learning_rate=args.lr,
+                  weight_decay=args.weight_decay, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
+                  lr_scheduler_type="constant", max_grad_norm=MAX_GRAD_NORM if clips_itself(args) else 0.0,
+                  logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=args.seed,
+                  use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+                  train_sampling_strategy="sequential")
+    if world_size() > 1:
+        kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True,
+                                              "activation_checkpointing": False})
+    trainer_kwargs, callbacks = {}, [Timing()]
+    if args.optimizer == "optstate":
+        optim_args = "release_gradients=true"
+        if args.gpu_budget is not None:
+            optim_args += f",gpu_budget={args.gpu_budget}"
+        kwargs.update(optim_args=optim_args, max_grad_norm=MAX_GRAD_NORM)  # routed to the optimizer
+        optim = "optstate_adamw_" + args.preset.replace("-", "_")
+        if optim in optstate_hf.OPTIM_NAMES:
+            kwargs["optim"] = optim
+        else:  # a preset without a registered name: the same optimizer class, passed directly
+            trainer_kwargs["optimizer_cls_and_kwargs"] = optstate_hf.optimizer_cls_and_kwargs(
+                TrainingArguments(**kwargs), preset=args.preset)
+        callbacks.append(optstate_hf.OptStateCallback(log_metrics=False))
+    elif args.optimizer == "deepspeed-offload":
+        kwargs.update(bf16=True, deepspeed={
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": args.weight_decay}},
+            "gradient_clipping": MAX_GRAD_NORM, "train_micro_batch_size_per_gpu": args.micro_batch,
+            "gradient_accumulation_steps": 1})
+    else:
+        trainer_kwargs["optimizers"] = (build_optimizer(args, model), None)
+    trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=dataset(args, model),
+                      callbacks=callbacks, **trainer_kwargs)
+    trainer.train()
+    return model
+
+
+def run_lightning(args, timer: StepTimer):
+    import lightning.pytorch as L
+    from optstate_lightning import OptStateCallback
+
+    class CausalLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = load_model(args)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            if args.optimizer == "optstate":
+                return base_adamw(self.model.parameters(), args, fused=self.device.type == "cuda" or None)
+            return build_optimizer(args, self.model)
+
+    class Timing(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            timer.begin()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            timer.end(loss.detach().float())
+
+    callbacks = [Timing()]
+    clip = MAX_GRAD_NORM if clips_itself(args) else None
+    if args.optimizer == "optstate":
+        # release_gradients: the callback hands gradient_clip_val to the optimizer (norm clipping in backward)
+        callbacks.append(OptStateCallback(policy=args.preset, log_metrics=False, release_gradients=True,
+                                          gpu_budget=args.gpu_budget_bytes))
+        clip = MAX_GRAD_NORM
+    module = CausalLM()
+    loader = torch.utils.data.DataLoader(dataset(args, module.model), batch_size=args.micro_batch)
+    trainer = L.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
+                        precision="bf16-true", max_steps=args.steps, gradient_clip_val=clip, callbacks=callbacks,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, loader)
+    return module.model
+
+
+def run_accelerate(args, timer: StepTimer):
+    from accelerate import Accelerator
+
+    kwargs = {}
+    if world_size() > 1:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                                               activation_checkpointing=False)
+    accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available(), **kwargs)
+    model = load_model(args)
+    optimizer = build_optimizer(args, model)
+    loader = torch.utils.data.DataLoader(dataset(args, model), batch_size=args.micro_batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.optimizer == "optstate":
+        import optstate_accelerate as osa
+        osa.attach(accelerator, optimizer)
+    model.train()
+    for batch in loader:
+        timer.begin()
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        if clips_itself(args):
+            accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.end(loss.detach().float())
+    return model
+
+
+RUNNERS = {"trainer": run_trainer, "lightning": run_lightning, "accelerate": run_accelerate}
+
+
+# -- one measured run -------------------------------------------------------------------------------------
+def measure(args) -> dict:
+    """Train ``args.steps`` steps; the measured row."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device())
+    torch.manual_seed(args.seed)
+    timer = StepTimer()
+    model = RUNNERS[args.framework](args, timer)
+    del model
+    secs, losses = timer.seconds, timer.losses
+    tail = secs[2:] or secs[1:] or secs
+    median = statistics.median(tail) if tail else float("nan")
+    return {"framework": args.framework, "optimizer": args.optimizer,
+            "preset": args.preset if args.optimizer == "optstate" else None,
+            "model": args.model or args.shape, "micro_batch": args.micro_batch, "seq": args.seq,
+            "gpu_memory": args.gpu_memory, "gpu_budget": args.gpu_budget, "world_size": world_size(),
+            "device": torch.cuda.get_device_name(device()) if cuda else "cpu",
+            "steps": len(secs), "first_step_s": secs[0] if secs else None, "median_step_s": median,
+            "tokens_per_s": args.micro_batch * args.seq / median if median and median > 0 else None,
+            "peak_gib": torch.cuda.max_memory_allocated(device()) / 2**30 if cuda else None,
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "losses": losses}
+
+
+def table_row(r: dict) -> str:
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    return (f"| {r['framework']} | {r['optimizer']} | {r['preset'] or '-'} | {r['micro_batch']} x {r['seq']} | "
+            f"{r['gpu_memory'] or '-'} | {num(r['first_step_s'], '.2f')} | {num(r['median_step_s'], '.3f')} | "
+            f"{num(r['tokens_per_s'], '.0f')} | {num(r['peak_gib'], '.2f')} | {num(r['loss_first'], '.4f')} | "
+            f"{num(r['loss_last'], '.4f')} |")
+
+
+TABLE_HEAD = ("| framework | optimizer | preset | micro-batch x seq | cap | first step s | median s/step | "
+              "tokens/s | peak GiB | first loss | last loss |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def find_micro_batch(args) -> dict:
+    """Micro-batches 1, 2, 4, ... for 2 steps each until one runs out of GPU memory."""
+    best, mb = None, 1
+    while mb <= args.max_micro_batch:
+        trial = argparse.Namespace(**{**vars(args), "micro_batch": mb, "steps": 2})
+        try:
+            row = measure(trial)
+        except torch.OutOfMemoryError:
+            print(f"micro-batch {mb}: out of memory")
+            break
+        finally:
+            free_memory()
+        print(table_row(row))
+        best, mb = row, mb * 2
+    if best is None:
+        return {"framework": args.framework, "optimizer": args.optimizer, "largest_micro_batch": 0}
+    return {**best, "largest_micro_batch": best["micro_batch"]}
+
+
+def check_available(args) -> None:
+    """Exit with a clear message when a peer's package is missing (before any model is built)."""
+    module = {"torchao-offload": "torchao.optim", "deepspeed-offload": "deepspeed"}.get(args.optimizer)
+    if module is None:
+        return
+    if not torch.cuda.is_available():
+        sys.exit(f"--optimizer {args.optimizer} needs a CUDA device")
+    try:
+        __import__(module)
+    except ImportError as e:
+        sys.exit(f"--optimizer {args.optimizer} needs {module.split('.')[0]} "
+                 f"(pip install {module.split('.')[0]}): {e}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    check_available(args)
+    cap_gpu_memory(args.gpu_memory_bytes)  # before anything is allocated
+    print(TABLE_HEAD)
+    if args.find_micro_batch:
+        result = find_micro_batch(args)
+        print(f"largest micro-batch that ran 2 steps: {result['largest_micro_batch']}")
+    else:
+        result = measure(args)
+        print(table_row(result))
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
