@@ -1,37 +1,50 @@
 #!/usr/bin/env bash
-# GPU call (one 80 GB GPU, issue 39): examples/finetune_8b_24gb.py at Llama-3-8B shapes through the
-# HF Trainer under a 24 GB cap against the resident preset on the whole card (micro-batch 1 and 2),
-# Lightning and Accelerate under the cap, torchao's CPUOffloadOptimizer under the cap; the GPU tests
-# of offloaded state; a single-GPU DCP resume of the offloaded preset. Every step time-boxed, under a
-# deadline; results under $OUT (rows.jsonl, one log per step).
+# GPU call (one 80 GB GPU, issue 39): the GPU tests of offloaded state and of the example; then
+# examples/finetune_8b_24gb.py at Llama-3-8B shapes through the HF Trainer, interleaved: under a
+# 24 GB cap (bf16w-4bit-lean-offload) and on the whole card (bf16w-4bit-lean, resident), micro-batch
+# 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
+# a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
+# (STEPS_LIST picks other steps: "lightning accelerate torchao resume" are the others.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=16
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH="/tmp/site:$PWD:$PWD/integrations"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-START=$SECONDS; DEADLINE=${DEADLINE:-570}
-run() {  # run NAME LIMIT CMD...: skipped when the deadline is near
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
+START=$SECONDS; DEADLINE=${DEADLINE:-560}
+run() {  # run NAME LIMIT CMD...: skipped when the deadline is near; its output appended to log.txt
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - (SECONDS - START)))
-  if [ "$left" -lt 30 ]; then echo "$name skipped (deadline)" >> "$OUT/rc.txt"; return; fi
+  if [ "$left" -lt 25 ]; then echo "$name skipped (deadline)" >> "$OUT/rc.txt"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "$name rc $? $((SECONDS - START))s" >> "$OUT/rc.txt"
+  echo "=== $name ($(nvidia-smi --query-gpu=memory.used --format=csv,noheader) in use before)" >> "$LOG"
+  timeout -k 5 "$limit" "$@" > "$OUT/step.txt" 2>&1; local rc=$?
+  if [ $rc -eq 0 ]; then tail -4 "$OUT/step.txt" >> "$LOG"; else tail -40 "$OUT/step.txt" >> "$LOG"; fi
+  echo "$name rc $rc $((SECONDS - START))s" >> "$OUT/rc.txt"
+  pkill -9 -f finetune_8b_24gb.py; pkill -9 -f "pytest -q"; pkill -9 -f fsdp_dcp_resume; sleep 1
 }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/machine.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/rc.txt"
 E="python3 examples/finetune_8b_24gb.py --json $OUT/rows.jsonl --steps ${STEPS:-6}"
-run tests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_release_offload.py tests/gpu/test_resume_fused.py \
-  tests/integrations/test_finetune_8b_example.py -m gpu -x
-run trainer_cap24_mb1 90 $E --gpu-memory 24GB --micro-batch 1
-run trainer_whole_mb1 75 $E --preset bf16w-4bit-lean --micro-batch 1
-run trainer_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2
-run trainer_whole_mb2 75 $E --preset bf16w-4bit-lean --micro-batch 2
-run lightning_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework lightning
-run accelerate_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework accelerate
-run torchao_cap24_mb2 110 python3 examples/finetune_8b_24gb.py --json "$OUT/rows.jsonl" --steps 4 --gpu-memory 24GB \
-  --micro-batch 2 --optimizer torchao-offload
-run resume_095b_offload 70 torchrun --nproc_per_node 1 tools/fsdp_dcp_resume.py --model 0.95b --checkpoint /tmp/dcp \
-  --optimizers bf16w-4bit-lean-offload+release
-OPTSTATE_STAGE_AHEAD=0 run resume_095b_offload_nostage 70 torchrun --nproc_per_node 1 tools/fsdp_dcp_resume.py \
-  --model 0.95b --checkpoint /tmp/dcp --optimizers bf16w-4bit-lean-offload+release
-run trainer_cap32_hostcorr_mb1 75 $E --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr --micro-batch 1
-cat "$OUT/rc.txt"; tail -3 "$OUT/tests.txt"; grep -h "^| trainer\|^| lightning\|^| accelerate" "$OUT"/*.txt
+P="python3 -m pytest -q -p no:cacheprovider -x"
+for step in ${STEPS_LIST:-tests timing hostcorr}; do case $step in
+tests)
+  run test_resume_fused 90 $P tests/gpu/test_resume_fused.py -k "lean"
+  run test_release_offload 90 $P tests/gpu/test_release_offload.py
+  run test_example_gpu 80 $P tests/integrations/test_finetune_8b_example.py -m gpu ;;
+timing)
+  for mb in 1 2 1 2; do
+    run "trainer_cap24_mb$mb" 75 $E --gpu-memory 24GB --micro-batch $mb
+    run "trainer_whole_mb$mb" 70 $E --preset bf16w-4bit-lean --micro-batch $mb
+  done ;;
+hostcorr)
+  run trainer_cap32_hostcorr_8b 60 $E --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr
+  for i in 1 2; do
+    run trainer_whole_095b 45 $E --shape 0.95b --preset bf16w-4bit-lean
+    run trainer_cap32_hostcorr_095b 45 $E --shape 0.95b --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr
+  done ;;
+lightning) run lightning_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework lightning ;;
+accelerate) run accelerate_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework accelerate ;;
+torchao) run torchao_cap24_mb2 110 $E --gpu-memory 24GB --micro-batch 2 --optimizer torchao-offload --steps 4 ;;
+resume) run resume_095b_offload 70 torchrun --nproc_per_node 1 tools/fsdp_dcp_resume.py --model 0.95b \
+  --checkpoint /tmp/dcp --optimizers bf16w-4bit-lean-offload+release ;;
+esac; done
+rm -f "$OUT/step.txt"; cat "$OUT/rc.txt"; grep -h "^| trainer\|^| lightning\|^| accelerate\|passed\|failed" "$LOG"
