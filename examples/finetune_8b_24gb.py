@@ -380,7 +380,9 @@ RUNNERS = {"trainer": run_trainer, "lightning": run_lightning, "accelerate": run
 def measure(args) -> dict:
     """Train ``args.steps`` steps; the measured row."""
     cuda = torch.cuda.is_available()
-    if cuda:
+    if cuda:  # (the device made current and CUDA initialised first: a run without a cap has touched neither)
+        torch.cuda.set_device(device())
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device())
     torch.manual_seed(args.seed)
     timer = StepTimer()

@@ -328,17 +328,19 @@ def test_fused_loss_replaces_the_logits_term():
     from optstate_core.chunked_loss import SLICE_BYTES
     b, s, h, i, layers, vocab = 2, 128, 64, 128, 2, 1000
     tokens = b * s
-    body = tokens * (layers * h * 2 + (10 * h + 8 * i) * 2)
+    saved, recomputed = tokens * layers * h * 2, tokens * (10 * h + 8 * i) * 2
     rows = min(vocab, max(128, SLICE_BYTES // (6 * tokens) // 128 * 128))  # 1000: the whole vocabulary
     assert rows == 1000
-    assert plan.checkpointed_activation_bytes(TINY_LLAMA, b, s) == body + 10 * tokens * vocab  # unchanged
+    assert plan.checkpointed_activation_bytes(TINY_LLAMA, b, s) == saved + recomputed + 10 * tokens * vocab  # unchanged
+    from optstate_core.apps.model_shapes import FUSED_LOSS_RECOMPUTED
     assert plan.checkpointed_activation_bytes(TINY_LLAMA, b, s, fused_loss=True) == \
-        body + 6 * tokens * rows + 4 * tokens * h + 16 * tokens
+        saved + int(FUSED_LOSS_RECOMPUTED * recomputed) + 6 * tokens * rows + 4 * tokens * h + 16 * tokens
     # Llama-3-8B at 1x2048: slices of 21760 rows (21845 rounded down to 128s) instead of 128256
     from optstate_core.apps.llama import NAMED_SHAPES
     cfg = NAMED_SHAPES["8b"].hf_config()
     saved = plan.checkpointed_activation_bytes(cfg, 1, 2048) - plan.checkpointed_activation_bytes(cfg, 1, 2048, True)
-    assert saved == 2048 * (10 * 128256 - 6 * 21760 - 4 * 4096 - 16)
+    recomputed = 2048 * (10 * 4096 + 8 * 14336) * 2
+    assert saved == 2048 * (10 * 128256 - 6 * 21760 - 4 * 4096 - 16) + recomputed - int(0.15 * recomputed)
 
 
 def _recipe_lines(out: str):
@@ -370,27 +372,40 @@ def _expected(gpu: int):
 
 
 def test_recipe_8b_on_24gb_streams_state_and_the_fused_loss_fits_more(capsys):
+    from optstate_core.apps import recipe
+    from optstate_core.apps.llama import NAMED_SHAPES
     assert cli.main(["plan", "--model", "8b", "--gpu-memory", "24GB"]) == 0
     table, text = _recipe_lines(capsys.readouterr().out)
-    name, row = _expected(24 * 10**9)
-    assert row.state.host > 0 and (row.gpu_budget is not None or name.endswith("-offload"))
-    assert f"preset: {name} (" in text
+    r = recipe.recipe(NAMED_SHAPES["8b"].hf_config(), 24 * 10**9)
+    name, first = _expected(24 * 10**9)
+    assert first.state.host > 0 and (first.gpu_budget is not None or name.endswith("-offload"))
+    assert f"preset: {r.preset} (" in text and r.preset in recipe.CANDIDATES
+    assert r.row(1).state.host > 0  # resident and -hostcorr do not fit 24 GB: state streams
     fused, plain = _largest(text, "largest micro-batch with the fused"), _largest(text, "with the plain loss")
-    assert fused > plain and fused >= 1
-    assert table[1][5] == "yes"
-    assert table[1][4] == plan.gib(row.total_gpu)  # the fused column's GPU total is the plan's row
-    assert f"PCIe per step, each way: {plan.gib(row.pcie_bytes)}, {row.pcie_bytes / plan.PCIE_BYTES_PER_S:.2f} s" \
-        in text  # (the largest fused micro-batch is 1 here: the row above)
-    assert fused == 1
-    assert f"run: python examples/finetune_8b_24gb.py --gpu-memory 24GB --preset {name.split(' + ')[0]} " \
+    assert fused == r.largest(True) and plain == r.largest(False) and fused > plain
+    assert table[1][5] == "yes" and table[1][4] == plan.gib(r.row(1).total_gpu)
+    row = r.row(fused)
+    assert f"PCIe per step, each way: {plan.gib(row.pcie_bytes)}, {row.pcie_bytes / plan.PCIE_BYTES_PER_S:.2f} s" in text
+    assert f"run: python examples/finetune_8b_24gb.py --gpu-memory 24GB --preset {r.preset.split(' + ')[0]} " \
         f"--micro-batch {fused}" in text
-    assert max(table) == fused + 1 and table[fused + 1][2] == table[fused + 1][5] == "no"  # stops at the first misfit
+    last = max(table)  # the table stops at the first micro-batch (1, 2, 4, ...) that fits neither way
+    assert last == 2 * fused and table[last][2] == table[last][5] == "no"
     # tokens/s against resident: compute = (8 * params + 2 * hidden * vocab) * tokens / 470e12; step = max(compute, copy)
     compute = (8 * 8_030_261_248 + 2 * 4096 * 128256) * 2048 / 470e12
-    step = max(compute, row.pcie_bytes / plan.PCIE_BYTES_PER_S)
+    step = max(compute, r.row(1).pcie_bytes / plan.PCIE_BYTES_PER_S)
     assert f"expected at micro-batch 1: {2048 / step:,.0f} tokens/s, {compute / step:.2f}x the " \
         f"{2048 / compute:,.0f} tokens/s" in text
     assert compute / step < 1  # the copies outlast compute at micro-batch 1
+    # the choice: no other candidate that fits at micro-batch 1 expects more tokens/s (beyond the 1% tie)
+    best = recipe.throughput(r, fused)[0]
+    for candidate in recipe.CANDIDATES:
+        if candidate == r.preset or recipe.candidate_row(r.first, candidate) is None or \
+                not recipe.candidate_row(r.first, candidate).fits:
+            continue
+        other = recipe.replace(r, preset=candidate, micro_batches=recipe._micro_batches(
+            plan.config_shapes(NAMED_SHAPES["8b"].hf_config()), NAMED_SHAPES["8b"].hf_config(), 24 * 10**9, 2048,
+            candidate, plan.PCIE_BYTES_PER_S))
+        assert recipe.throughput(other, other.largest(True))[0] <= best * (1 + recipe.TIE)
 
 
 def test_recipe_8b_on_80gb_is_resident(capsys):

@@ -141,6 +141,12 @@ def load_config(path: str) -> dict:
         raise ValueError(f"--config: {path!r} is not valid JSON: {e}") from None
 
 
+#: the share of one recomputed layer's activations alive at the peak of a step with the fused loss:
+#: fit to Llama-3-8B at 1x2048 and 2x2048 on one H100 (18.43, 19.02 GiB, bf16w-4bit-lean-offload),
+#: Llama-3-8B and -70B at 1x4096 per rank on 4 H100s under FSDP2 (10.99, 52.22 GiB)
+FUSED_LOSS_RECOMPUTED = 0.15
+
+
 def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss: bool = False) -> int:
     """An estimate of a Llama-family causal LM's activation memory with activation checkpointing
     (one checkpoint per decoder layer), bf16 compute: every layer's saved input (``b*s*h`` bf16),
@@ -150,7 +156,9 @@ def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss
     Llama-3-8B shape at 1x2048 took 3.56 GiB (BENCHMARKS.md section 23); measure your own run
     (``optstate bench --peak-bytes``) before relying on it. ``fused_loss``: the loss over
     vocabulary slices (:mod:`optstate_core.chunked_loss`) instead of whole logits, its
-    :func:`~optstate_core.chunked_loss.chunked_loss_bytes` in place of the ``10*b*s*V`` term."""
+    :func:`~optstate_core.chunked_loss.chunked_loss_bytes` in place of the ``10*b*s*V`` term, and
+    only :data:`FUSED_LOSS_RECOMPUTED` of the recomputed layer's term: without the logits the peak
+    comes where little of it is alive (fit to four H100 peaks, BENCHMARKS.md section 27)."""
     if "text_config" in config and "hidden_size" not in config:
         config = config["text_config"]
     try:
@@ -160,11 +168,11 @@ def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss
         raise ValueError("--batch: the activation estimate needs a Llama-family --config (hidden_size, "
                          "intermediate_size, num_hidden_layers, vocab_size); give --activations instead") from None
     tokens = batch * seq
-    body = tokens * (layers * h * 2 + (10 * h + 8 * i) * 2)
+    saved, recomputed = tokens * layers * h * 2, tokens * (10 * h + 8 * i) * 2
     if fused_loss:
         from ..chunked_loss import chunked_loss_bytes
-        return body + chunked_loss_bytes(tokens, h, vocab)
-    return body + tokens * 10 * vocab
+        return saved + int(FUSED_LOSS_RECOMPUTED * recomputed) + chunked_loss_bytes(tokens, h, vocab)
+    return saved + recomputed + tokens * 10 * vocab
 
 
 def parse_batch(text: str) -> Tuple[int, int]:

@@ -2,13 +2,13 @@
 
 The setup is fixed, whatever the table's flags: AdamW, bf16 weights with the fp32 master kept as
 compressed state (the ``bf16w-*`` presets), bf16 gradients released in backward, activation
-checkpointing. For a GPU's memory the recipe names the first preset that fits at micro-batch 1
-with the fused (chunked) loss, in this order of preference: ``bf16w-4bit-lean`` (all state
-resident), ``bf16w-4bit-lean-hostcorr`` (the master correction in host memory),
-``bf16w-4bit-lean`` with ``gpu_budget`` (resident up to what is left, the rest streamed),
-``bf16w-4bit-lean-offload`` (all state in host memory). Then the micro-batches that fit with the
-plain loss and with the fused one, what crosses PCIe per step and the tokens/s to expect against
-all-resident state.
+checkpointing. Of the presets that fit at micro-batch 1 with the fused (chunked) loss,
+``bf16w-4bit-lean`` (all state resident), ``bf16w-4bit-lean-hostcorr`` (the master correction in
+host memory), ``bf16w-4bit-lean`` with ``gpu_budget`` (resident up to what is left, the rest
+streamed) and ``bf16w-4bit-lean-offload`` (all state in host memory), the recipe names the one with
+the most tokens/s expected at its largest micro-batch (within 1%: the earlier in that list). Then
+the micro-batches that fit with the plain loss and with the fused one, what crosses PCIe per step
+and the tokens/s to expect against all-resident state.
 
 Tokens/s are estimates: compute time = ``8 * params * tokens`` FLOPs (forward, recomputation,
 backward; plus the fused loss's one more ``tokens x hidden x vocab`` matmul) at ``--tflops``; the
@@ -18,7 +18,7 @@ copies overlap backward at best, so ``max(compute, copy)`` is an upper bound on 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from .model_shapes import checkpointed_activation_bytes, config_shapes
@@ -30,6 +30,7 @@ BUDGET = f"{BUDGET_PRESET} + gpu_budget"  # the candidate that keeps state resid
 #: candidates in order of preference: the least state in host memory first
 CANDIDATES = ("bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr", BUDGET, "bf16w-4bit-lean-offload")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+TIE = 0.01  # expected tokens/s within 1% of each other: the candidate with less state in host memory wins
 DEFAULT_SEQ = 2048
 #: achieved bf16 TFLOP/s of forward + backward with checkpointing: one H100, Llama-3-8B shapes, batch
 #: 1x2048, 0.28 s per forward + backward (= 8 * params * tokens / time)
@@ -110,19 +111,33 @@ def recipe(config: dict, gpu_memory: int, seq: int = DEFAULT_SEQ, tflops: float 
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
     presets = [p for p in CANDIDATES if p != BUDGET]
     _, first = _plan(shapes, config, gpu_memory, 1, seq, True, presets, pcie_bytes_per_s)
-    chosen = next((c for c in CANDIDATES if (row := candidate_row(first, c)) is not None and row.fits), None)
-    log.debug("recipe: %s at micro-batch 1 with the fused loss", chosen)
-    out = Recipe(gpu_memory, seq, tflops, first.n_params, hidden, vocab, pcie_bytes_per_s, chosen, [], first,
+    out = Recipe(gpu_memory, seq, tflops, first.n_params, hidden, vocab, pcie_bytes_per_s, None, [], first,
                  gpu_text or f"{gpu_memory / 1e9:g}GB")
-    if chosen is None:
-        return out
+    best, best_tps = out, 0.0
+    for candidate in CANDIDATES:  # every one that fits at micro-batch 1 with the fused loss
+        row = candidate_row(first, candidate)
+        if row is None or not row.fits:
+            continue
+        option = replace(out, preset=candidate,
+                         micro_batches=_micro_batches(shapes, config, gpu_memory, seq, candidate, pcie_bytes_per_s))
+        tps = throughput(option, option.largest(True))[0]
+        log.debug("recipe: %s, micro-batch %d, %.0f tokens/s", candidate, option.largest(True), tps)
+        if tps > best_tps * (1 + TIE):  # the earlier candidate (less host state) wins a tie
+            best, best_tps = option, tps
+    return best
+
+
+def _micro_batches(shapes, config, gpu_memory, seq, candidate, pcie_bytes_per_s) -> List[MicroBatch]:
+    """``candidate``'s rows at micro-batches 1, 2, 4, ... with the plain and the fused loss, up to the
+    first where it fits with neither."""
+    out = []
     for size in MICRO_BATCHES:
         m = MicroBatch(size)
         for fused in (False, True):
-            m.activations[fused], p = _plan(shapes, config, gpu_memory, size, seq, fused, _presets_of(chosen),
+            m.activations[fused], p = _plan(shapes, config, gpu_memory, size, seq, fused, _presets_of(candidate),
                                             pcie_bytes_per_s)
-            m.rows[fused] = candidate_row(p, chosen)
-        out.micro_batches.append(m)
+            m.rows[fused] = candidate_row(p, candidate)
+        out.append(m)
         if not (m.fits(False) or m.fits(True)):
             break
     return out
@@ -153,8 +168,8 @@ def format_recipe(r: Recipe) -> str:
     if r.preset is None:
         return "\n".join([head, "", "nothing fits at micro-batch 1 with the fused (chunked) loss: "
                           + "; ".join(_hints(r.first))])
-    lines = [head, "", f"preset: {r.preset} (the first of {', '.join(CANDIDATES)} that fits at micro-batch 1 "
-             "with the fused loss)", "",
+    lines = [head, "", f"preset: {r.preset} (of {', '.join(CANDIDATES)} that fit at micro-batch 1 with the fused "
+             "loss, the most tokens/s expected at its largest micro-batch)", "",
              "| micro-batch | activations, plain loss | GPU total | fits | activations, fused loss | GPU total | fits |",
              "|---:|---:|---:|---|---:|---:|---|"]
     for m in r.micro_batches:
@@ -181,7 +196,7 @@ def format_recipe(r: Recipe) -> str:
               f"{r.tflops:g} TFLOP/s (--tflops), the optimizer update ignored; with host state a step takes "
               "max(compute, copies): the copies overlap backward at best, so this is an upper bound.",
               f"run: python {EXAMPLE} --gpu-memory {r.gpu_text} --preset {r.preset.split(' + ')[0]} "
-              f"--micro-batch {size}"]
+              f"--micro-batch {size}" + (f" --gpu-budget {int(row.gpu_budget / 2**30 * 100) / 100:.2f}GiB" if row.gpu_budget else "")]
     return "\n".join(lines)
 
 

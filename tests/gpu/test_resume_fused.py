@@ -19,7 +19,9 @@ CASES = [("fp32", {}), ("bf16", {}), ("8bit", {}), ("4bit", {}), ("offload", {})
          ("bf16w-4bit-lean", {"release_gradients": True, "max_grad_norm": 1.0}),
          # offloaded state streamed per released batch, one parameter a batch: more batches than are
          # staged ahead, so the resumed run stages state too (4-GPU DCP at 8B differed on its 2nd step)
-         ("bf16w-4bit-lean-offload", {"release_gradients": True, "max_grad_norm": 1.0, "release_bucket_bytes": 1})]
+         # (on an H100 it had not finished 90 s into its file's run: it fails after 180 s, not hangs)
+         pytest.param("bf16w-4bit-lean-offload", {"release_gradients": True, "max_grad_norm": 1.0,
+                                                  "release_bucket_bytes": 1}, marks=pytest.mark.timeout(180))]
 
 
 def build(preset, options):
@@ -54,7 +56,8 @@ def round_trip(state):
     return torch.load(buf, weights_only=True)
 
 
-IDS = [p + ("+release" if o else "") + ("-per-param" if "release_bucket_bytes" in o else "") for p, o in CASES]
+IDS = [p + ("+release" if o else "") + ("-per-param" if "release_bucket_bytes" in o else "")
+       for p, o in (c.values if hasattr(c, "values") else c for c in CASES)]
 
 
 @pytest.mark.parametrize("preset,options", CASES, ids=IDS)
