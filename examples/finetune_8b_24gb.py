@@ -154,7 +154,7 @@ def enable_checkpointing(model) -> None:
 def load_model(args):
     """bf16 weights on the device, activation checkpointing, the chunked loss."""
     from optstate_core.apps.llama import NAMED_SHAPES, build_model
-    from optstate_core.chunked_loss import use_chunked_loss
+    from optstate_core.apps.chunked_loss import use_chunked_loss
 
     dev = device()
     if args.model is not None:

@@ -1,10 +1,10 @@
-"""The chunked loss (optstate_core/chunked_loss.py) against torch's cross-entropy over whole logits:
+"""The chunked loss (optstate_core/apps/chunked_loss.py) against torch's cross-entropy over whole logits:
 fp64 to 1e-12, fp32 to 1e-5, bf16 weights to the plain bf16 path's own rounding; ignored labels,
 the Trainer's num_items_in_batch, several vocabulary slices, and a HF causal LM swapped over."""
 import pytest
 import torch
 
-from optstate_core.chunked_loss import (chunked_linear_cross_entropy, chunked_loss_bytes, use_chunked_loss,
+from optstate_core.apps.chunked_loss import (chunked_linear_cross_entropy, chunked_loss_bytes, use_chunked_loss,
                                         vocab_slice)
 
 TOKENS, HIDDEN, VOCAB = 37, 16, 1000

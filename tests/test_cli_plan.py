@@ -325,7 +325,7 @@ def test_a_70b_model_on_one_4_gpu_node(capsys):
 def test_fused_loss_replaces_the_logits_term():
     """fused_loss=True: the 10*b*s*V logits term becomes the chunked loss's slice of logits (fp32 and
     bf16), its fp32 gradient accumulator of the hidden states and the per-token statistics."""
-    from optstate_core.chunked_loss import SLICE_BYTES
+    from optstate_core.apps.chunked_loss import SLICE_BYTES
     b, s, h, i, layers, vocab = 2, 128, 64, 128, 2, 1000
     tokens = b * s
     saved, recomputed = tokens * layers * h * 2, tokens * (10 * h + 8 * i) * 2

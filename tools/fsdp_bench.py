@@ -125,7 +125,7 @@ def main():
     parser.add_argument("--model", default=None, help="a named Llama shape for --optimizers (default: 0.95b)")
     parser.add_argument("--plain-loss", action="store_true",
                         help="with --model: the model's own loss over whole logits (default: the chunked loss, "
-                             "optstate_core.chunked_loss, which never holds them)")
+                             "optstate_core.apps.chunked_loss, which never holds them)")
     parser.add_argument("--json", default=None, help="rank 0 appends each row to this JSON-lines file as it ends")
     args = parser.parse_args()
     dist.init_process_group("nccl")
@@ -178,7 +178,7 @@ def main():
             else:
                 model = build_named(shape, device, build.weights, checkpointing=True, shard=shard)
             if not args.plain_loss:
-                from optstate_core.chunked_loss import use_chunked_loss
+                from optstate_core.apps.chunked_loss import use_chunked_loss
                 use_chunked_loss(model)
         else:
             model = build_model(2048, args.layers, 32000, 5632, device)

@@ -66,7 +66,7 @@ def main():
 
     from optstate_core.apps import contenders
     from optstate_core.apps.llama import NAMED_SHAPES, build_model
-    from optstate_core.chunked_loss import use_chunked_loss
+    from optstate_core.apps.chunked_loss import use_chunked_loss
 
     shape = NAMED_SHAPES[args.model]
 

@@ -73,11 +73,11 @@ def _bench(args) -> int:
 
 
 def _plan_parser(sub) -> None:
-    from . import plan
+    from . import plan, plan_cli
     p = sub.add_parser("plan", help="what fits? optimizer-state and training memory per preset (no GPU needed)",
                        description=_plain(plan.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_arguments(p)
-    p.set_defaults(handler=plan.run)
+    plan_cli.add_arguments(p)
+    p.set_defaults(handler=plan_cli.run)
 
 
 def _compat_parser(sub) -> None:

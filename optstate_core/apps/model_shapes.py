@@ -155,8 +155,8 @@ def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss
     its fp32 gradient: ``10*b*s*V`` bytes). The constants 10 and 8 fit one measurement: a
     Llama-3-8B shape at 1x2048 took 3.56 GiB (BENCHMARKS.md section 23); measure your own run
     (``optstate bench --peak-bytes``) before relying on it. ``fused_loss``: the loss over
-    vocabulary slices (:mod:`optstate_core.chunked_loss`) instead of whole logits, its
-    :func:`~optstate_core.chunked_loss.chunked_loss_bytes` in place of the ``10*b*s*V`` term, and
+    vocabulary slices (:mod:`optstate_core.apps.chunked_loss`) instead of whole logits, its
+    :func:`~optstate_core.apps.chunked_loss.chunked_loss_bytes` in place of the ``10*b*s*V`` term, and
     only :data:`FUSED_LOSS_RECOMPUTED` of the recomputed layer's term: without the logits the peak
     comes where little of it is alive (fit to four H100 peaks, BENCHMARKS.md section 27)."""
     if "text_config" in config and "hidden_size" not in config:
@@ -170,7 +170,7 @@ def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss
     tokens = batch * seq
     saved, recomputed = tokens * layers * h * 2, tokens * (10 * h + 8 * i) * 2
     if fused_loss:
-        from ..chunked_loss import chunked_loss_bytes
+        from .chunked_loss import chunked_loss_bytes
         return saved + int(FUSED_LOSS_RECOMPUTED * recomputed) + chunked_loss_bytes(tokens, h, vocab)
     return saved + recomputed + tokens * 10 * vocab
 

@@ -403,15 +403,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations with activation checkpointing instead of giving --activations")
     parser.add_argument("--presets", default=",".join(p for p in PRESETS if p != "default"),
                         help="comma-separated presets to show (default: %(default)s)")
-    from .recipe import DEFAULT_SEQ, DEFAULT_TFLOPS
-    parser.add_argument("--recipe", action="store_true",
-                        help="after the table, the one-GPU fine-tuning recipe (preset, micro-batches with and "
-                             "without the fused loss, PCIe per step, tokens/s) also for --config; always for --model")
-    parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
-                        help="the recipe's tokens per sequence (default: %(default)s)")
-    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
-                        help="the recipe's achieved bf16 TFLOP/s of forward + backward with checkpointing "
-                             "(default: %(default)s, one H100 on Llama-3-8B shapes at 1x2048)")
 
 
 def plan_from_args(args) -> Plan:
@@ -442,12 +433,3 @@ def plan_from_args(args) -> Plan:
     return make_plan(shapes, gpu, args.optimizer, parse_presets(args.presets), args.weights_dtype,
                      args.grads_dtype, activations, source, release_gradients=args.release_gradients,
                      pcie_bytes_per_s=args.pcie_gbps * 1e9, gpus=args.gpus)
-
-
-def run(args) -> int:
-    from .recipe import format_recipe, recipe_from_args
-    rec = recipe_from_args(args)  # its argument checks before any output
-    print(format_plan(plan_from_args(args)))
-    if rec is not None:
-        print("\n" + format_recipe(rec))
-    return 0

@@ -223,3 +223,15 @@ def recipe_from_args(args) -> Optional[Recipe]:
         config = load_config(args.config)
     return recipe(config, parse_bytes(args.gpu_memory, "--gpu-memory"), args.seq, args.tflops,
                   args.pcie_gbps * 1e9, str(args.gpu_memory).strip())
+
+
+def add_arguments(parser) -> None:
+    """The recipe's options of ``optstate plan``."""
+    parser.add_argument("--recipe", action="store_true",
+                        help="after the table, the one-GPU fine-tuning recipe (preset, micro-batches with and "
+                             "without the fused loss, PCIe per step, tokens/s) also for --config; always for --model")
+    parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
+                        help="the recipe's tokens per sequence (default: %(default)s)")
+    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
+                        help="the recipe's achieved bf16 TFLOP/s of forward + backward with checkpointing "
+                             "(default: %(default)s, one H100 on Llama-3-8B shapes at 1x2048)")
