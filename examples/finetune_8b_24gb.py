@@ -34,8 +34,8 @@ step s, median s/step after the first 2, tokens/s, peak GiB from ``torch.cuda.ma
 first and last loss); ``--json PATH`` appends the same fields as a JSON line.
 
 Several GPUs (``torchrun --nproc-per-node N`` or ``accelerate launch``; WORLD_SIZE > 1): the
-Trainer gets ``fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True,
-"activation_checkpointing": False}`` (transformers 5.x spells FSDP2 ``version``; checkpointing is
+Trainer gets ``fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
+"activation_checkpointing": False}`` (as tests/integrations/hf_fsdp2_worker.py, which ran on GPUs; checkpointing is
 the model's own), Accelerate a ``FullyShardedDataParallelPlugin(fsdp_version=2,
 reshard_after_forward=True, activation_checkpointing=False)``. Lightning stays single-device here.
 
@@ -271,7 +271,7 @@ def run_trainer(args, timer: StepTimer):
                   use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
                   train_sampling_strategy="sequential")
     if world_size() > 1:
-        kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True,
+        kwargs.update(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
                                               "activation_checkpointing": False})
     trainer_kwargs, callbacks = {}, [Timing()]
     if args.optimizer == "optstate":
