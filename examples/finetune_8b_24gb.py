@@ -46,6 +46,7 @@ few steps; the timing is that of any data of this shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -268,8 +269,15 @@ def run_trainer(args, timer: StepTimer):
                   weight_decay=args.weight_decay, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                   lr_scheduler_type="constant", max_grad_norm=MAX_GRAD_NORM if clips_itself(args) else 0.0,
                   logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=args.seed,
-                  use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                  train_sampling_strategy="sequential")
+                  use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+    trainer_cls = Trainer
+    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        kwargs["train_sampling_strategy"] = "sequential"  # every step sees the same sequences
+    else:  # transformers before the option: the same order through the sampler the Trainer asks for
+        class SequentialTrainer(Trainer):
+            def _get_train_sampler(self, *unused, **unused_kw):
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+        trainer_cls = SequentialTrainer
     if world_size() > 1:
         kwargs.update(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
                                               "activation_checkpointing": False})
@@ -296,7 +304,7 @@ def run_trainer(args, timer: StepTimer):
             "gradient_accumulation_steps": 1})
     else:
         trainer_kwargs["optimizers"] = (build_optimizer(args, model), None)
-    trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=dataset(args, model),
+    trainer = trainer_cls(model=model, args=TrainingArguments(**kwargs), train_dataset=dataset(args, model),
                       callbacks=callbacks, **trainer_kwargs)
     trainer.train()
     return model
