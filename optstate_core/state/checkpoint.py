@@ -21,7 +21,7 @@ from typing import Dict
 import torch
 
 from .codecs import EncodedTensor, codec_from_config, slab_shape
-from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor
+from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor, slab_placements
 from .master_weights import MASTER_KEY
 from .store import ParamState, allocate_many, is_scalar_state
 
@@ -43,8 +43,14 @@ def _parse_dtype(name: str) -> torch.dtype:
 
 def pack_value(value, param=None):
     """One state value for a checkpoint. For a DTensor parameter the payload goes out as
-    DTensors on its mesh with global shapes (so DCP saves every rank's shard)."""
+    DTensors on its mesh with global shapes (so DCP saves every rank's shard). A shard layout
+    that cannot keep whole blocks (a 1-D tensor split into shards of other than 256k elements)
+    keeps its state uncompressed; held in host memory it is still an encoded (lossless) value,
+    and goes out decoded, laid out like the parameter, as a resident uncompressed state does
+    (its payload as one DTensor would claim every rank's shard is the whole tensor)."""
     if isinstance(value, EncodedTensor):
+        if param is not None and is_dtensor(param) and slab_placements(param) is None:
+            return like_param(param, value.decode(local(param).device).reshape(local(param).shape))
         shape, payload = list(value.shape), dict(value.payload)
         if param is not None and is_dtensor(param):
             shape = list(param.shape)

@@ -205,6 +205,31 @@ def fsdp_master_job(rank, world, tmp):
     finish()
 
 
+def fsdp_host_state_job(rank, world, tmp):
+    """FSDP2 with every state in host memory (``bf16w-4bit-lean-offload``, gradient release), then
+    a DCP round trip. The 256-element biases split into 128-element shards, which cannot hold
+    whole blocks: their state stays uncompressed, as host-tier encoded values."""
+    init(rank, world, tmp)
+
+    def sharded():
+        model = shard_layers(master_model())
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=LR),
+                      oc.make_policy("bf16w-4bit-lean-offload", min_int8_elements=300),
+                      release_gradients=True, max_grad_norm=1.0)
+        return model, opt
+
+    model, opt = sharded()
+    train_bf16(model, opt, 3, rank, world)
+    bias = model[2].bias  # 256 elements: a 128-element shard per rank
+    out = {"bias_state_on_host": all(getattr(v, "host_tier", False) for k, v in opt.state[bias].items()
+                                     if k != "step")}
+    dcp_round_trip(model, opt, sharded, lambda m, o: train_bf16(m, o, 2, rank, world, first=3), f"{tmp}/dcp_host",
+                   out)
+    if rank == 0:
+        torch.save(out, f"{tmp}/fsdp_host_state_result.pt")
+    finish()
+
+
 def sharded_build_job(rank, world, tmp):
     """A named Llama shape built on the meta device and sharded there (FSDP2, each layer and the
     root), then materialized: each rank holds and initializes only its shards; a step with a

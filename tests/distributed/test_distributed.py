@@ -152,6 +152,17 @@ def test_fsdp2_with_master_weights_as_state(tmp_path):
         assert torch.equal(got, ref)
 
 
+def test_fsdp2_dcp_resume_with_state_in_host_memory_is_exact(tmp_path):
+    """All state in host memory (the offloaded lean preset, gradient release) under FSDP2: a DCP
+    checkpoint resumes bit for bit, the 128-element bias shards (uncompressed, host-tier) included.
+    Before the fix their state went out as one replicated payload, and a rank resumed from another's."""
+    spawn(dist_jobs.fsdp_host_state_job, tmp_path)
+    out = torch.load(tmp_path / "fsdp_host_state_result.pt", weights_only=False)
+    assert out["bias_state_on_host"]
+    for got, ref in zip(out["resumed"], out["expected"]):
+        assert torch.equal(got, ref)
+
+
 def test_a_named_model_is_sharded_on_the_meta_device_before_it_is_materialized(tmp_path):
     """The 70B path's build (tools/fsdp_bench.py --model): each of 2 ranks allocates only its half of
     the parameters, initializes it (matrices N(0, 0.02), norms 1), and trains."""
