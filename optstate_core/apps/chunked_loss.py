@@ -45,6 +45,13 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def _in_slice(safe: torch.Tensor, valid: torch.Tensor, v0: int, rows: int):
+    """Which tokens' labels fall in the vocabulary slice ``[v0, v0 + rows)``, and each token's column
+    there (clamped, to index without a host synchronisation)."""
+    inside = valid & (safe >= v0) & (safe < v0 + rows)
+    return inside, (safe - v0).clamp_(0, rows - 1)[:, None]
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T, labels)`` over vocabulary slices (see the module doc)."""
 
@@ -62,32 +69,31 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for v0 in range(0, vocab, slice_rows):
                 logits = (h @ weight[v0:v0 + slice_rows].to(dtype).T).to(acc)
                 lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-                inside = valid & (safe >= v0) & (safe < v0 + logits.shape[1])
-                rows = inside.nonzero().squeeze(1)
-                target[rows] = logits[rows, safe[rows] - v0]
+                inside, column = _in_slice(safe, valid, v0, logits.shape[1])
+                target = torch.where(inside, logits.gather(1, column).squeeze(1), target)
                 del logits
             losses = torch.where(valid, lse - target, torch.zeros_like(lse))
+            divisor = divisor.to(acc)
             loss = losses.sum() / divisor
-        ctx.save_for_backward(hidden, weight, safe, valid, lse)
-        ctx.divisor, ctx.slice_rows, ctx.dtype = divisor, slice_rows, dtype
+        ctx.save_for_backward(hidden, weight, safe, valid, lse, divisor)
+        ctx.slice_rows, ctx.dtype = slice_rows, dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, safe, valid, lse = ctx.saved_tensors
+        hidden, weight, safe, valid, lse, divisor = ctx.saved_tensors
         dtype, slice_rows = ctx.dtype, ctx.slice_rows
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(dtype)
-            scale = (grad_loss.to(lse.dtype) / ctx.divisor) * valid.to(lse.dtype)
+            scale = (grad_loss.to(lse.dtype) / divisor) * valid.to(lse.dtype)
             grad_h = torch.zeros(h.shape, dtype=lse.dtype, device=h.device)
             grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
             for v0 in range(0, weight.shape[0], slice_rows):
                 w = weight[v0:v0 + slice_rows].to(dtype)
                 logits = (h @ w.T).to(lse.dtype)
                 probs = torch.exp_(logits.sub_(lse[:, None]))
-                inside = valid & (safe >= v0) & (safe < v0 + w.shape[0])
-                rows = inside.nonzero().squeeze(1)
-                probs[rows, safe[rows] - v0] -= 1.0
+                inside, column = _in_slice(safe, valid, v0, w.shape[0])
+                probs.scatter_add_(1, column, -inside.to(probs.dtype)[:, None])  # minus one at each label
                 grad_logits = probs.mul_(scale[:, None]).to(dtype)
                 del logits, probs
                 if grad_w is not None:
@@ -111,10 +117,10 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [tokens] = [{hidden.shape[0]}], got {tuple(labels.shape)}")
-    if num_items_in_batch is not None:
-        divisor = float(num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+    if num_items_in_batch is not None:  # a tensor stays on its device: no host synchronisation
+        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
     else:
-        divisor = float(max(int((labels != IGNORE_INDEX).sum()), 1))
+        divisor = (labels != IGNORE_INDEX).sum().clamp_(min=1)
     rows = vocab_slice(hidden.shape[0], weight.shape[0], slice_bytes)
     return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, divisor, rows)
 
