@@ -144,17 +144,9 @@ def cap_gpu_memory(cap_bytes) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), dev)
 
 
-def enable_checkpointing(model) -> None:
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def load_model(args):
     """bf16 weights on the device, activation checkpointing, the chunked loss."""
-    from optstate_core.apps.llama import NAMED_SHAPES, build_model
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model, enable_checkpointing
     from optstate_core.apps.chunked_loss import use_chunked_loss
 
     dev = device()

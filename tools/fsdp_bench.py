@@ -26,6 +26,7 @@ Peaks are per phase (forward with the loss, backward, step with ``zero_grad``), 
 iterations: they tell whether a lower gradient footprint can lower the iteration's peak at all.
 """
 import argparse
+import functools
 import gc
 import json
 import os
@@ -132,7 +133,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda")
-    from torch.distributed.fsdp import fully_shard
+    from optstate_core.apps.llama import shard_each_layer
 
     configs = {
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
@@ -161,11 +162,7 @@ def main():
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
             fsdp_options = {"offload_policy": CPUOffloadPolicy(),
                             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-        def shard(model):
-            for layer in model.model.layers:
-                fully_shard(layer, **fsdp_options)
-            fully_shard(model, **fsdp_options)
+        shard = functools.partial(shard_each_layer, **fsdp_options)
 
         if shape is not None:  # a contender: its weights dtype, checkpointing, its own build, sharded on the
             from optstate_core.apps.llama import build_model as build_named  # meta device (70b fits no rank whole)

@@ -62,21 +62,15 @@ def main():
     from torch.distributed.checkpoint import load, save
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-    from torch.distributed.fsdp import fully_shard
-
     from optstate_core.apps import contenders
-    from optstate_core.apps.llama import NAMED_SHAPES, build_model
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model, shard_each_layer
     from optstate_core.apps.chunked_loss import use_chunked_loss
 
     shape = NAMED_SHAPES[args.model]
 
-    def shard(model):
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-
     def fresh(c, seed):
-        model = use_chunked_loss(build_model(shape, "cuda", c.weights, checkpointing=True, seed=seed, shard=shard))
+        model = use_chunked_loss(build_model(shape, "cuda", c.weights, checkpointing=True, seed=seed,
+                                             shard=shard_each_layer))
         return model, contenders.build(c, list(model.parameters()), model, max_grad_norm=1.0 if c.release else None)
 
     for name in args.optimizers.split(","):

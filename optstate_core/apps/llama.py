@@ -91,9 +91,23 @@ def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, c
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, attr, type(module)(config=config).to(device))
     if checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x's name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     return model.train()
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing (non-reentrant) of a Hugging Face model, under either API name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def shard_each_layer(model, **fsdp_options) -> None:
+    """FSDP2's ``fully_shard`` on each decoder layer, then on the whole model (``build_model(shard=...)``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, **fsdp_options)
+    fully_shard(model, **fsdp_options)

@@ -35,7 +35,7 @@ class PinnedArena:
 
     def take(self, numel: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
         """An uninitialised ``shape`` tensor of ``dtype`` (``numel`` elements) in pinned memory."""
-        nbytes = max(int(numel) * torch.empty((), dtype=dtype).element_size(), 1)
+        nbytes = max(int(numel) * dtype.itemsize, 1)
         padded = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
         if padded > self.slab_bytes:  # a slab of its own, of its exact size
             self.slabs_allocated += 1

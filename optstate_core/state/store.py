@@ -83,16 +83,16 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
     pinned = host and pin_memory
     for key in layouts[0] if layouts else ():
         pdtype = layouts[0][key][1]
-        unit = max(1, ALIGN_BYTES // torch.empty((), dtype=pdtype).element_size())
         sizes = [math.prod(layout[key][0]) for layout in layouts]
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += -(-n // unit) * unit
         if pinned and arena is not None:  # each view from the arena's slabs (packed there the same way)
             for view, layout, n in zip(views, layouts, sizes):
                 view[key] = arena.take(n, pdtype, layout[key][0])
             continue
+        unit = max(1, ALIGN_BYTES // pdtype.itemsize)
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // unit) * unit
         buf = torch.empty(max(total, 1), dtype=pdtype, device=where, pin_memory=pinned)
         for view, layout, off, n in zip(views, layouts, offsets, sizes):
             view[key] = buf[off:off + n].view(layout[key][0])

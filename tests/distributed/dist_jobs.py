@@ -182,35 +182,41 @@ def train_bf16(model, opt, steps, rank=0, world=1, first=0):
         opt.step()
 
 
+def bf16_dcp_job(rank, world, tmp, sharded, observe, name):
+    """Train ``sharded()``'s bf16 model 3 steps, note ``observe(model, opt)``, then a DCP round trip of
+    2 more steps; rank 0 writes ``{name}_result.pt``."""
+    init(rank, world, tmp)
+    model, opt = sharded()
+    train_bf16(model, opt, 3, rank, world)
+    out = observe(model, opt)
+    dcp_round_trip(model, opt, sharded, lambda m, o: train_bf16(m, o, 2, rank, world, first=3), f"{tmp}/dcp_{name}",
+                   out)
+    if rank == 0:
+        torch.save(out, f"{tmp}/{name}_result.pt")
+    finish()
+
+
 def fsdp_master_job(rank, world, tmp):
     """FSDP2 over bf16 parameters whose masters are optimizer state (sharded like the moments)."""
     from optstate_core.state.master_weights import MASTER_KEY
-
-    init(rank, world, tmp)
 
     def sharded():
         model = shard_layers(master_model())
         return model, master_optimizer(model)
 
-    model, opt = sharded()
-    train_bf16(model, opt, 3, rank, world)
-    out = {"params": [full(p.detach()).float().clone() for p in model.parameters()],
-           "masters": [full(m).clone() for m in oc.master_state_dict(model, opt).values()],
-           "has_correction": [MASTER_KEY in opt.state[p] for p in model.parameters()],
-           "local_state_bytes": opt.memory_report()["state_bytes"]}
-    dcp_round_trip(model, opt, sharded, lambda m, o: train_bf16(m, o, 2, rank, world, first=3), f"{tmp}/dcp_master",
-                   out)
-    if rank == 0:
-        torch.save(out, f"{tmp}/fsdp_master_result.pt")
-    finish()
+    def observe(model, opt):
+        return {"params": [full(p.detach()).float().clone() for p in model.parameters()],
+                "masters": [full(m).clone() for m in oc.master_state_dict(model, opt).values()],
+                "has_correction": [MASTER_KEY in opt.state[p] for p in model.parameters()],
+                "local_state_bytes": opt.memory_report()["state_bytes"]}
+
+    bf16_dcp_job(rank, world, tmp, sharded, observe, "fsdp_master")
 
 
 def fsdp_host_state_job(rank, world, tmp):
     """FSDP2 with every state in host memory (``bf16w-4bit-lean-offload``, gradient release), then
     a DCP round trip. The 256-element biases split into 128-element shards, which cannot hold
     whole blocks: their state stays uncompressed, as host-tier encoded values."""
-    init(rank, world, tmp)
-
     def sharded():
         model = shard_layers(master_model())
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=LR),
@@ -218,16 +224,12 @@ def fsdp_host_state_job(rank, world, tmp):
                       release_gradients=True, max_grad_norm=1.0)
         return model, opt
 
-    model, opt = sharded()
-    train_bf16(model, opt, 3, rank, world)
-    bias = model[2].bias  # 256 elements: a 128-element shard per rank
-    out = {"bias_state_on_host": all(getattr(v, "host_tier", False) for k, v in opt.state[bias].items()
-                                     if k != "step")}
-    dcp_round_trip(model, opt, sharded, lambda m, o: train_bf16(m, o, 2, rank, world, first=3), f"{tmp}/dcp_host",
-                   out)
-    if rank == 0:
-        torch.save(out, f"{tmp}/fsdp_host_state_result.pt")
-    finish()
+    def observe(model, opt):
+        bias = model[2].bias  # 256 elements: a 128-element shard per rank
+        return {"bias_state_on_host": all(getattr(v, "host_tier", False) for k, v in opt.state[bias].items()
+                                          if k != "step")}
+
+    bf16_dcp_job(rank, world, tmp, sharded, observe, "fsdp_host_state")
 
 
 def sharded_build_job(rank, world, tmp):
@@ -235,17 +237,10 @@ def sharded_build_job(rank, world, tmp):
     root), then materialized: each rank holds and initializes only its shards; a step with a
     wrapped optimizer runs. Rank 0 writes what it saw."""
     init(rank, world, tmp)
-    from torch.distributed.fsdp import fully_shard
-
-    from optstate_core.apps.llama import NAMED_SHAPES, build_model as build_named
-
-    def shard(model):
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model as build_named, shard_each_layer
 
     shape = NAMED_SHAPES["tiny"]
-    model = build_named(shape, torch.device("cpu"), torch.float32, shard=shard)
+    model = build_named(shape, torch.device("cpu"), torch.float32, shard=shard_each_layer)
     params = list(model.parameters())
     local = [p._local_tensor for p in params]
     seen = {"global": sum(p.numel() for p in params), "local": sum(t.numel() for t in local),
