@@ -26,12 +26,17 @@ activations. ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB c
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer adamw            # needs ~16 B/param
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer torchao-offload --gpu-memory 24GB
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer deepspeed-offload --gpu-memory 24GB
+    # the recipe against resident state on the whole card, 5 runs each, interleaved in one process
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-memory 24GB --against-resident --repeats 5
     # CPU smoke run (what the tests do)
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --shape tiny --seq 32 --steps 3 --micro-batch 2
 
 Each run prints one markdown table row (framework, optimizer, preset, micro-batch, cap, first
 step s, median s/step after the first 2, tokens/s, peak GiB from ``torch.cuda.max_memory_allocated``,
-first and last loss); ``--json PATH`` appends the same fields as a JSON line.
+first and last loss); ``--json PATH`` appends the same fields as a JSON line (and the pinned host
+memory the run asked for, with the seconds it took). ``--repeats N`` runs N times in one process;
+``--against-resident`` alternates each run with the resident baseline on the whole card and prints
+both medians and their ratio (the JSON gets a last ``"role": "summary"`` line).
 
 Several GPUs (``torchrun --nproc-per-node N`` or ``accelerate launch``; WORLD_SIZE > 1): the
 Trainer gets ``fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
@@ -60,12 +65,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+from optstate_core.state.pinned import pinning_totals  # noqa: E402
 
 FRAMEWORKS = ("trainer", "lightning", "accelerate")
 OPTIMIZERS = ("optstate", "adamw", "torchao-offload", "deepspeed-offload")
 SHAPES = ("8b", "70b", "0.95b", "tiny")
 BETAS, EPS = (0.9, 0.999), 1e-8
 MAX_GRAD_NORM = 1.0
+RESIDENT_PRESET = "bf16w-4bit-lean"  # --against-resident's baseline: all state on the GPU
 
 
 # -- arguments ------------------------------------------------------------------------------------
@@ -94,15 +101,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--find-micro-batch", action="store_true",
                    help="try micro-batches 1, 2, 4, ... (2 steps each) and report the largest that runs")
     p.add_argument("--max-micro-batch", type=int, default=256, help="where --find-micro-batch stops")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the configuration this many times in this process (the model rebuilt each time)")
+    p.add_argument("--against-resident", action="store_true",
+                   help="alternate each run with the resident baseline: the same framework, batch and steps with "
+                        f"{RESIDENT_PRESET} + release on the whole card (no cap, no budget); prints the ratio of "
+                        "the median s/step")
     p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     args = p.parse_args(argv)
-    for name in ("micro_batch", "seq", "steps", "max_micro_batch"):
+    for name in ("micro_batch", "seq", "steps", "max_micro_batch", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.lr > 0 or not math.isfinite(args.lr):
         p.error(f"--lr must be a positive number, got {args.lr}")
     if args.weight_decay < 0:
         p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.find_micro_batch and (args.repeats > 1 or args.against_resident):
+        p.error("--find-micro-batch takes neither --repeats nor --against-resident")
     if args.optimizer == "deepspeed-offload" and args.framework != "trainer":
         p.error(f"--optimizer deepspeed-offload runs through --framework trainer only, not {args.framework}")
     args.preset = PRESET_ALIASES.get(args.preset, args.preset)
@@ -135,13 +150,14 @@ def device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def cap_gpu_memory(cap_bytes) -> None:
-    """Cap this process's allocations at ``cap_bytes`` (before anything is allocated)."""
-    if cap_bytes is None or not torch.cuda.is_available():
+def cap_gpu_memory(cap_bytes, whole_card_if_none: bool = False) -> None:
+    """Cap this process's allocations at ``cap_bytes`` (before anything is allocated); with
+    ``whole_card_if_none``, lift an earlier cap when ``cap_bytes`` is None."""
+    if (cap_bytes is None and not whole_card_if_none) or not torch.cuda.is_available():
         return
     dev = device()
     total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), dev)
+    torch.cuda.set_per_process_memory_fraction(1.0 if cap_bytes is None else min(1.0, cap_bytes / total), dev)
 
 
 def load_model(args):
@@ -386,8 +402,10 @@ def measure(args) -> dict:
         torch.cuda.reset_peak_memory_stats(device())
     torch.manual_seed(args.seed)
     timer = StepTimer()
+    pinned_bytes, pinned_s = pinning_totals()
     model = RUNNERS[args.framework](args, timer)
     del model
+    pinned_bytes, pinned_s = (now - before for now, before in zip(pinning_totals(), (pinned_bytes, pinned_s)))
     secs, losses = timer.seconds, timer.losses
     tail = secs[2:] or secs[1:] or secs
     median = statistics.median(tail) if tail else float("nan")
@@ -400,7 +418,7 @@ def measure(args) -> dict:
             "tokens_per_s": args.micro_batch * args.seq / median if median and median > 0 else None,
             "peak_gib": torch.cuda.max_memory_allocated(device()) / 2**30 if cuda else None,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "losses": losses}
+            "losses": losses, "pinned_gib": pinned_bytes / 2**30, "pinning_s": pinned_s}
 
 
 def table_row(r: dict) -> str:
@@ -441,6 +459,46 @@ def find_micro_batch(args) -> dict:
     return {**best, "largest_micro_batch": best["micro_batch"]}
 
 
+def resident_baseline(args) -> argparse.Namespace:
+    """--against-resident's baseline: the same run with all state resident on the whole card."""
+    return argparse.Namespace(**{**vars(args), "optimizer": "optstate", "preset": RESIDENT_PRESET, "gpu_budget": None,
+                                 "gpu_budget_bytes": None, "gpu_memory": None, "gpu_memory_bytes": None})
+
+
+def repeated_runs(args) -> list:
+    """``--repeats`` runs in this process, each alternating with the resident baseline under
+    --against-resident; the rows (``role``, ``run`` added) and, last, a summary row."""
+    roles = [("recipe", args)] + ([("resident", resident_baseline(args))] if args.against_resident else [])
+    rows = []
+    for run in range(1, args.repeats + 1):
+        for role, run_args in roles:
+            cap_gpu_memory(run_args.gpu_memory_bytes, whole_card_if_none=True)
+            try:
+                row = measure(run_args)
+            finally:
+                free_memory()
+            rows.append({**row, "role": role, "run": run})
+            print(table_row(rows[-1]))
+    medians = {role: [r["median_step_s"] for r in rows if r["role"] == role] for role, _ in roles}
+    summary = {"role": "summary", "runs": args.repeats, "first_step_s": rows[0]["first_step_s"],
+               "recipe_s": statistics.median(medians["recipe"]), "recipe_runs_s": medians["recipe"]}
+    if args.against_resident:
+        summary.update(resident_s=statistics.median(medians["resident"]), resident_runs_s=medians["resident"])
+        summary["tokens_per_s_vs_resident"] = summary["resident_s"] / summary["recipe_s"]
+    return rows + [summary]
+
+
+def summary_line(summary: dict) -> str:
+    runs = ", ".join(f"{x:.3f}" for x in summary["recipe_runs_s"])
+    line = (f"recipe: median s/step {summary['recipe_s']:.3f} over {summary['runs']} runs ({runs}); "
+            f"first step of the first run {summary['first_step_s']:.2f} s")
+    if "resident_s" in summary:
+        runs = ", ".join(f"{x:.3f}" for x in summary["resident_runs_s"])
+        line += (f"\nresident ({RESIDENT_PRESET}, whole card): median s/step {summary['resident_s']:.3f} ({runs}); "
+                 f"the recipe's tokens/s: {summary['tokens_per_s_vs_resident']:.3f}x resident")
+    return line
+
+
 def check_available(args) -> None:
     """Exit with a clear message when a peer's package is missing (before any model is built)."""
     module = {"torchao-offload": "torchao.optim", "deepspeed-offload": "deepspeed"}.get(args.optimizer)
@@ -461,15 +519,18 @@ def main(argv=None) -> dict:
     cap_gpu_memory(args.gpu_memory_bytes)  # before anything is allocated
     print(TABLE_HEAD)
     if args.find_micro_batch:
-        result = find_micro_batch(args)
-        print(f"largest micro-batch that ran 2 steps: {result['largest_micro_batch']}")
+        results = [find_micro_batch(args)]
+        print(f"largest micro-batch that ran 2 steps: {results[0]['largest_micro_batch']}")
+    elif args.repeats > 1 or args.against_resident:
+        results = repeated_runs(args)
+        print(summary_line(results[-1]))
     else:
-        result = measure(args)
-        print(table_row(result))
+        results = [measure(args)]
+        print(table_row(results[0]))
     if args.json and int(os.environ.get("RANK", "0")) == 0:
         with open(args.json, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    return result
+            f.writelines(json.dumps(r) + "\n" for r in results)
+    return results[-1]
 
 
 if __name__ == "__main__":

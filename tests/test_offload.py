@@ -232,11 +232,14 @@ def test_pinned_state_is_carved_from_whole_slabs():
     pinned request up to a power of two): views lie inside one slab, aligned, never overlapping; a
     request larger than a slab gets its own; allocate_many draws every view from the arena."""
     from optstate_core.state.codecs import codec_from_config
-    from optstate_core.state.pinned import PinnedArena
+    from optstate_core.state.pinned import PinnedArena, pinning_totals
     from optstate_core.state.store import allocate_many
     arena = PinnedArena(slab_bytes=256, pin=False)
+    bytes_before, seconds_before = pinning_totals()
     views = [arena.take(n, torch.float32, (n,)) for n in (5, 30, 7, 20, 100, 3)]
     assert arena.slabs_allocated == 3  # [5, 30, 7] then [20, 3] in slabs of 256 B; 100 floats (400 B) alone
+    bytes_after, seconds_after = pinning_totals()  # what the example reports as the first step's pinning
+    assert bytes_after - bytes_before == 256 + 400 + 256 and seconds_after >= seconds_before
     spans = []
     for v in views:
         assert v.data_ptr() % 16 == 0

@@ -14,7 +14,16 @@ from .prepared import check_accelerator, unwrap_optimizer
 
 log = logging.getLogger("optstate.accelerate")
 
-_attachments: "weakref.WeakKeyDictionary[oc.VirtualOptimizer, Attachment]" = weakref.WeakKeyDictionary()
+# optimizer -> its attachment, both held weakly: an attachment refers to its accelerator, which refers to
+# the prepared optimizer, so a strong value would keep the optimizer, model and accelerator alive forever.
+# The attachment lives as long as what it installed (the optimizer's post-step hook, the accelerator's
+# clip_grad_norm_) or the caller's reference.
+_attachments: "weakref.WeakKeyDictionary[oc.VirtualOptimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _current(optimizer) -> "Optional[Attachment]":
+    ref = _attachments.get(optimizer)
+    return ref() if ref is not None else None
 
 
 class SyncGradients:
@@ -82,7 +91,7 @@ class Attachment:
         if self.accelerator is not None and self.accelerator.__dict__.get("clip_grad_norm_") == \
                 self._routed_clip_grad_norm:
             del self.accelerator.clip_grad_norm_
-        if _attachments.get(self.optimizer) is self:
+        if _current(self.optimizer) is self:
             self.optimizer.bind_step_boundary(None)
             del _attachments[self.optimizer]
 
@@ -118,12 +127,12 @@ def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: s
         raise ValueError(f"prefix must be a string, got {type(prefix).__name__}")
     if max_grad_norm is not None:
         vopt.max_grad_norm = max_grad_norm  # validates (ValueError names max_grad_norm)
-    previous = _attachments.get(vopt)
+    previous = _current(vopt)
     if previous is not None:
         previous.detach()
     attachment = Attachment(accelerator, vopt, log_every, prefix)
     attachment._install()
-    _attachments[vopt] = attachment
+    _attachments[vopt] = weakref.ref(attachment)
     log.debug("attached %s to the accelerator (log_every=%s)", type(vopt).__name__, log_every)
     return attachment
 

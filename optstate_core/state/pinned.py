@@ -12,12 +12,19 @@ another's bytes.
 """
 from __future__ import annotations
 
+import time
 from typing import Tuple
 
 import torch
 
 SLAB_BYTES = 2**28  # 256 MiB
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
+_TOTALS = {"bytes": 0, "seconds": 0.0}  # every arena of this process: bytes asked for, seconds spent asking
+
+
+def pinning_totals() -> Tuple[int, float]:
+    """(bytes, seconds): what every arena of this process has asked of torch's pinned allocator so far."""
+    return _TOTALS["bytes"], _TOTALS["seconds"]
 
 
 class PinnedArena:
@@ -31,7 +38,11 @@ class PinnedArena:
         self.slabs_allocated = 0  # slabs asked for so far (oversized requests included)
 
     def _bytes(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        t0 = time.perf_counter()
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        _TOTALS["bytes"] += nbytes
+        _TOTALS["seconds"] += time.perf_counter() - t0
+        return out
 
     def take(self, numel: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
         """An uninitialised ``shape`` tensor of ``dtype`` (``numel`` elements) in pinned memory."""

@@ -54,3 +54,18 @@ def test_clipping_that_cannot_be_routed_raises():
     opt.max_grad_norm = None
     with pytest.raises(ValueError, match="set beforehand"):
         acc.clip_grad_norm_(model.parameters(), 0.05)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_attached_optimizer_model_and_accelerator_are_freed_when_dropped(release):
+    """attach() keeps no strong reference: once the caller drops the accelerator, model and optimizer,
+    they are garbage (the 8B example trains several models in one process)."""
+    import gc
+    import weakref
+    acc, model, opt, attachment, _ = _run(release=release, clip_calls=False, micro_batches=2)
+    refs = [weakref.ref(x) for x in (acc, model, opt)]
+    assert osa.attach(acc, opt) is not None  # attaching again (the previous attachment detached) keeps nothing either
+    del acc, model, opt, attachment
+    reset_accelerate()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

@@ -18,7 +18,7 @@ SCRIPT = ROOT / "examples" / "finetune_8b_24gb.py"
 TINY = ["--shape", "tiny", "--seq", "32", "--steps", "3", "--micro-batch", "2", "--lr", "1e-3"]
 
 
-def run_script(tmp_path, argv, timeout=120):
+def run_script(tmp_path, argv, timeout=120, lines=1):
     out = tmp_path / "rows.jsonl"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'integrations'}", OMP_NUM_THREADS="1",
                FINETUNE_OUT=str(tmp_path / "trainer_out"))
@@ -26,9 +26,9 @@ def run_script(tmp_path, argv, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 1
+    assert len(rows) == lines
     assert any(line.startswith("| ") for line in proc.stdout.splitlines())
-    return rows[0]
+    return rows[0] if lines == 1 else rows
 
 
 def load_module():
@@ -64,6 +64,23 @@ def test_resident_preset_and_the_adamw_baseline_agree(tmp_path):
     assert ours["loss_last"] == pytest.approx(base["loss_last"], rel=0.02)
 
 
+def test_against_resident_alternates_the_runs_in_one_process_and_reports_their_ratio(tmp_path):
+    rows = run_script(tmp_path, ["--preset", "bf16w-4bit-lean-offload", "--against-resident", "--repeats", "2",
+                                 *TINY], lines=5)
+    runs, summary = rows[:4], rows[4]
+    assert [(r["role"], r["run"], r["preset"]) for r in runs] == [
+        ("recipe", 1, "bf16w-4bit-lean-offload"), ("resident", 1, "bf16w-4bit-lean"),
+        ("recipe", 2, "bf16w-4bit-lean-offload"), ("resident", 2, "bf16w-4bit-lean")]
+    assert all(r["steps"] == 3 and r["loss_last"] < r["loss_first"] for r in runs)
+    # the model is rebuilt from the same seed each run: where the state lives changes no loss
+    assert runs[0]["losses"] == runs[2]["losses"] == runs[1]["losses"]
+    assert summary["role"] == "summary" and summary["runs"] == 2
+    assert summary["recipe_runs_s"] == [runs[0]["median_step_s"], runs[2]["median_step_s"]]
+    assert summary["resident_s"] == pytest.approx((runs[1]["median_step_s"] + runs[3]["median_step_s"]) / 2)
+    assert summary["tokens_per_s_vs_resident"] == pytest.approx(summary["resident_s"] / summary["recipe_s"])
+    assert summary["first_step_s"] == runs[0]["first_step_s"]
+
+
 @pytest.mark.parametrize("argv, name", [
     (["--micro-batch", "0"], "--micro-batch"),
     (["--gpu-memory", "24XB"], "--gpu-memory"),
@@ -72,6 +89,8 @@ def test_resident_preset_and_the_adamw_baseline_agree(tmp_path):
     (["--optimizer", "deepspeed-offload", "--framework", "lightning"], "--optimizer deepspeed-offload"),
     (["--preset", "9bit"], "--preset"),
     (["--steps", "-1"], "--steps"),
+    (["--repeats", "0"], "--repeats"),
+    (["--find-micro-batch", "--against-resident"], "--find-micro-batch"),
 ])
 def test_bad_arguments_are_refused_by_name(capsys, argv, name):
     module = load_module()

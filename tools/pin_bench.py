@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""How fast pinned host memory can be had: the offload presets pin all their state in the first step.
+
+Each mode runs in a fresh process and pins ``--gib`` GiB in slabs of ``--slab-mib`` MiB, then copies
+1 GiB from it to the GPU and back (to show the memory is really page-locked):
+
+- ``torch``: ``torch.empty(..., pin_memory=True)`` (torch's caching host allocator: cudaHostAlloc);
+- ``torch-register-8``: the same with ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,
+  pinned_num_register_threads:8`` (malloc, pages touched by 8 threads, cudaHostRegister);
+- ``prefault-register``: ordinary host memory, every page touched by torch's intra-op threads
+  (``zero_``), then ``cudaHostRegister`` on it.
+
+    python tools/pin_bench.py --gib 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODES = ("torch", "torch-register-8", "prefault-register")
+ENV = {"torch-register-8": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"}
+
+
+def one_mode(mode: str, gib: float, slab_mib: int) -> dict:
+    """Pin ``gib`` GiB in this process the ``mode`` way; seconds and GB/s of pinning and copying."""
+    import torch
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    slab = slab_mib * 2**20
+    n = max(1, int(gib * 2**30 // slab))
+    slabs, registered = [], []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if mode == "prefault-register":
+            t = torch.empty(slab, dtype=torch.uint8).zero_()
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), slab, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister failed: {err}")
+            registered.append(t.data_ptr())
+        else:
+            t = torch.empty(slab, dtype=torch.uint8, pin_memory=True)
+        slabs.append(t)
+    pin_s = time.perf_counter() - t0
+    gpu = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    times = {}
+    for name in ("h2d", "d2h"):
+        chunks = [s for s in slabs[: max(1, 2**30 // slab)]]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        off = 0
+        for c in chunks:
+            if name == "h2d":
+                gpu[off:off + c.numel()].copy_(c, non_blocking=True)
+            else:
+                c.copy_(gpu[off:off + c.numel()], non_blocking=True)
+            off += c.numel()
+        torch.cuda.synchronize()
+        times[name] = off / (time.perf_counter() - t0) / 1e9
+    for ptr in registered:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    return {"mode": mode, "gib": n * slab / 2**30, "pin_s": pin_s, "pin_gbps": n * slab / pin_s / 1e9,
+            "is_pinned": bool(slabs[0].is_pinned()), "h2d_gbps": times["h2d"], "d2h_gbps": times["d2h"]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gib", type=float, default=16.0)
+    p.add_argument("--slab-mib", type=int, default=256)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_mode(args.one, args.gib, args.slab_mib)))
+        return
+    print("| mode | GiB | pin s | pin GB/s | is_pinned | H2D GB/s | D2H GB/s |\n|---|---:|---:|---:|---|---:|---:|")
+    for mode in args.modes.split(","):
+        env = dict(os.environ)
+        if mode in ENV:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = ENV[mode]
+        proc = subprocess.run([sys.executable, __file__, "--one", mode, "--gib", str(args.gib), "--slab-mib",
+                               str(args.slab_mib)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"| {mode} | failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode} |")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"| {r['mode']} | {r['gib']:.1f} | {r['pin_s']:.2f} | {r['pin_gbps']:.1f} | {r['is_pinned']} | "
+              f"{r['h2d_gbps']:.1f} | {r['d2h_gbps']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
