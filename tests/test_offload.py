@@ -257,3 +257,28 @@ def test_pinned_state_is_carved_from_whole_slabs():
     for st in out:
         for t in st.payload.values():
             assert t.untyped_storage().nbytes() == 256  # a slab of the arena
+
+
+def test_slow_pinning_names_the_allocator_setting_once(monkeypatch, caplog):
+    """Offloaded state is pinned in the first step: where that runs under 3 GB/s over 4 GiB, one log line
+    names torch's faster pinning setting; not again, and not where the setting is already made."""
+    import logging
+    from optstate_core.state import pinned
+    monkeypatch.setattr(pinned, "_HINTED", [])
+    monkeypatch.setattr(pinned, "_TOTALS", {"bytes": 8 * 2**30, "seconds": 8.0})  # 1.07 GB/s
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with caplog.at_level(logging.INFO, logger="optstate.pinned"):
+        pinned._hint_if_slow()
+        pinned._hint_if_slow()
+    hints = [r.getMessage() for r in caplog.records if r.name == "optstate.pinned"]
+    assert len(hints) == 1 and pinned.FAST_PINNING in hints[0] and "1.1 GB/s" in hints[0]
+    caplog.clear()
+    monkeypatch.setattr(pinned, "_HINTED", [])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", pinned.FAST_PINNING)
+    with caplog.at_level(logging.INFO, logger="optstate.pinned"):
+        pinned._hint_if_slow()
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(pinned, "_TOTALS", {"bytes": 8 * 2**30, "seconds": 1.0})  # 8.6 GB/s: fast enough
+    with caplog.at_level(logging.INFO, logger="optstate.pinned"):
+        pinned._hint_if_slow()
+    assert not [r for r in caplog.records if r.name == "optstate.pinned"]

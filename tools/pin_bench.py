@@ -2,7 +2,7 @@
 """How fast pinned host memory can be had: the offload presets pin all their state in the first step.
 
 Each mode runs in a fresh process and pins ``--gib`` GiB in slabs of ``--slab-mib`` MiB, then copies
-1 GiB from it to the GPU and back (to show the memory is really page-locked):
+1 GiB from it to the GPU and back three times (page-locked memory copies at PCIe speed):
 
 - ``torch``: ``torch.empty(..., pin_memory=True)`` (torch's caching host allocator: cudaHostAlloc);
 - ``torch-register-8``: the same with ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,
@@ -46,20 +46,21 @@ def one_mode(mode: str, gib: float, slab_mib: int) -> dict:
         slabs.append(t)
     pin_s = time.perf_counter() - t0
     gpu = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    times = {}
-    for name in ("h2d", "d2h"):
-        chunks = [s for s in slabs[: max(1, 2**30 // slab)]]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        off = 0
-        for c in chunks:
-            if name == "h2d":
-                gpu[off:off + c.numel()].copy_(c, non_blocking=True)
-            else:
-                c.copy_(gpu[off:off + c.numel()], non_blocking=True)
-            off += c.numel()
-        torch.cuda.synchronize()
-        times[name] = off / (time.perf_counter() - t0) / 1e9
+    times = {"h2d": [], "d2h": []}
+    chunks = slabs[: max(1, 2**30 // slab)]
+    for _ in range(3):  # the first copy and the best of three
+        for name in ("h2d", "d2h"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            off = 0
+            for c in chunks:
+                if name == "h2d":
+                    gpu[off:off + c.numel()].copy_(c, non_blocking=True)
+                else:
+                    c.copy_(gpu[off:off + c.numel()], non_blocking=True)
+                off += c.numel()
+            torch.cuda.synchronize()
+            times[name].append(off / (time.perf_counter() - t0) / 1e9)
     for ptr in registered:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     return {"mode": mode, "gib": n * slab / 2**30, "pin_s": pin_s, "pin_gbps": n * slab / pin_s / 1e9,
@@ -76,7 +77,8 @@ def main(argv=None) -> None:
     if args.one:
         print(json.dumps(one_mode(args.one, args.gib, args.slab_mib)))
         return
-    print("| mode | GiB | pin s | pin GB/s | is_pinned | H2D GB/s | D2H GB/s |\n|---|---:|---:|---:|---|---:|---:|")
+    print("| mode | GiB | pin s | pin GB/s | is_pinned | H2D GB/s (first, best of 3) | D2H GB/s (first, best) |\n"
+          "|---|---:|---:|---:|---|---:|---:|")
     for mode in args.modes.split(","):
         env = dict(os.environ)
         if mode in ENV:
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"| {r['mode']} | {r['gib']:.1f} | {r['pin_s']:.2f} | {r['pin_gbps']:.1f} | {r['is_pinned']} | "
-              f"{r['h2d_gbps']:.1f} | {r['d2h_gbps']:.1f} |")
+              f"{r['h2d_gbps'][0]:.1f}, {max(r['h2d_gbps']):.1f} | {r['d2h_gbps'][0]:.1f}, {max(r['d2h_gbps']):.1f} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 # 24 GB cap (bf16w-4bit-lean-offload) and on the whole card (bf16w-4bit-lean, resident), micro-batch
 # 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
 # a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
-# (STEPS_LIST picks other steps: "lightning accelerate torchao resume" are the others.)
+# (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp4 hostcorr5 hostcorr5_095b
+# deepspeed_095b deepspeed" are the others; cmp*/hostcorr5* alternate the recipe with resident state on the
+# whole card in one process; deepspeed* install DeepSpeed from .dsw/ first, whose CPU Adam builds just in time.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=16
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
@@ -20,9 +22,15 @@ run() {  # run NAME LIMIT CMD...: skipped when the deadline is near; its output 
   timeout -k 5 "$limit" "$@" > "$OUT/step.txt" 2>&1; local rc=$?
   if [ $rc -eq 0 ]; then tail -4 "$OUT/step.txt" >> "$LOG"; else tail -40 "$OUT/step.txt" >> "$LOG"; fi
   echo "$name rc $rc $((SECONDS - START))s" >> "$OUT/rc.txt"
-  pkill -9 -f finetune_8b_24gb.py; pkill -9 -f "pytest -q"; pkill -9 -f fsdp_dcp_resume; sleep 1
+  pkill -9 -f finetune_8b_24gb.py; pkill -9 -f "pytest -q"; pkill -9 -f fsdp_dcp_resume; pkill -9 -f pin_bench; pkill -9 -f torchrun; sleep 1
+}
+install_deepspeed() {  # once: DeepSpeed's source archive and the wheels it lacks here, from .dsw/
+  [ -d /tmp/site/deepspeed ] && return
+  DS_BUILD_OPS=0 timeout 120 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+    --target /tmp/site .dsw/*.whl .dsw/deepspeed-*.tar.gz >> "$LOG" 2>&1; echo "deepspeed install rc $?" >> "$LOG"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/rc.txt"
+{ nvidia-smi topo -m; ls -d /sys/devices/system/node/node* ; free -g; nproc; } >> "$LOG" 2>&1
 E="python3 examples/finetune_8b_24gb.py --json $OUT/rows.jsonl --steps ${STEPS:-6}"
 P="python3 -m pytest -q -p no:cacheprovider -x"
 for step in ${STEPS_LIST:-tests timing hostcorr}; do case $step in
@@ -44,7 +52,26 @@ hostcorr)
 lightning) run lightning_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework lightning ;;
 accelerate) run accelerate_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework accelerate ;;
 torchao) run torchao_cap24_mb2 110 $E --gpu-memory 24GB --micro-batch 2 --optimizer torchao-offload --steps 4 ;;
+pin) run pin_bench 100 python3 tools/pin_bench.py --gib 16 ;;
+cmp1) run cmp_cap24_mb1 200 $E --gpu-memory 24GB --micro-batch 1 --against-resident --repeats 3 ;;
+cmp4)
+  run cmp_cap24_mb4 230 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 3
+  grep -q "cmp_cap24_mb4 rc 0" "$OUT/rc.txt" || run cmp_cap24_mb2 200 $E --gpu-memory 24GB --micro-batch 2 \
+    --against-resident --repeats 3 ;;
+hostcorr5) run cmp_hostcorr_cap32_8b 260 $E --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr --against-resident \
+  --repeats 5 ;;
+hostcorr5_095b) run cmp_hostcorr_cap32_095b 120 $E --shape 0.95b --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr \
+  --against-resident --repeats 5 ;;
+deepspeed_095b)
+  install_deepspeed
+  run deepspeed_cap24_095b_mb2 200 torchrun --nproc_per_node 1 examples/finetune_8b_24gb.py --json $OUT/rows.jsonl \
+    --steps 5 --shape 0.95b --gpu-memory 24GB --micro-batch 2 --optimizer deepspeed-offload
+  run optstate_cap24_095b_mb2 60 $E --shape 0.95b --gpu-memory 24GB --micro-batch 2 --steps 5 ;;
+deepspeed)
+  install_deepspeed
+  run deepspeed_cap24_8b_mb2 240 torchrun --nproc_per_node 1 examples/finetune_8b_24gb.py --json $OUT/rows.jsonl \
+    --steps 4 --gpu-memory 24GB --micro-batch 2 --optimizer deepspeed-offload ;;
 resume) run resume_095b_offload 70 torchrun --nproc_per_node 1 tools/fsdp_dcp_resume.py --model 0.95b \
   --checkpoint /tmp/dcp --optimizers bf16w-4bit-lean-offload+release ;;
 esac; done
-rm -f "$OUT/step.txt"; cat "$OUT/rc.txt"; grep -h "^| trainer\|^| lightning\|^| accelerate\|passed\|failed" "$LOG"
+rm -f "$OUT/step.txt"; cat "$OUT/rc.txt"; grep -h "^| trainer\|^| lightning\|^| accelerate\|^recipe\|^resident\|passed\|failed" "$LOG"
