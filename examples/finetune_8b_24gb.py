@@ -32,7 +32,8 @@ activations. ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB c
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --shape tiny --seq 32 --steps 3 --micro-batch 2
 
 Each run prints one markdown table row (framework, optimizer, preset, micro-batch, cap, first
-step s, median s/step after the first 2, tokens/s, peak GiB from ``torch.cuda.max_memory_allocated``,
+step s, s/step: the mean over the steps after the first 2, timed as one window synchronised at its ends
+(as a training loop runs), tokens/s, peak GiB from ``torch.cuda.max_memory_allocated``,
 first and last loss); ``--json PATH`` appends the same fields as a JSON line (and the pinned host
 memory the run asked for, with the seconds it took). ``--repeats N`` runs N times in one process;
 ``--against-resident`` alternates each run with the resident baseline on the whole card and prints
@@ -238,10 +239,18 @@ def clips_itself(args) -> bool:
 
 # -- timing ---------------------------------------------------------------------------------------------
 class StepTimer:
-    """Wall time of each optimizer step, CUDA synchronised at both ends."""
+    """Wall time as a training loop sees it: the first step synchronised at both ends; then steps
+    ``warmup + 1`` to the last as one window, CUDA synchronised only at its two ends (a step's copies
+    to and from host memory may run on into the next step's forward, as they do in training); the
+    window's mean per step is the step time."""
 
-    def __init__(self):
-        self.seconds, self.losses, self._t0 = [], [], None
+    def __init__(self, steps: int, warmup: int = 2):
+        self.steps = steps
+        self.warmup = max(0, min(warmup, steps - 1))  # steps before the window (the first among them)
+        self.first_s = None
+        self.window_s = None  # mean seconds per step over the window
+        self.losses = []
+        self._i, self._t0, self._window_t0 = 0, None, None
 
     @staticmethod
     def _sync():
@@ -249,14 +258,28 @@ class StepTimer:
             torch.cuda.synchronize()
 
     def begin(self):
-        self._sync()
+        if self._i in (0, self.warmup):
+            self._sync()
         self._t0 = time.perf_counter()
+        if self._i == self.warmup:
+            self._window_t0 = self._t0
 
     def end(self, loss=None):
-        self._sync()
-        self.seconds.append(time.perf_counter() - self._t0)
+        last = self._i == self.steps - 1
+        if self._i == 0 or last:
+            self._sync()
+        now = time.perf_counter()
+        if self._i == 0:
+            self.first_s = now - self._t0
+        if last:
+            self.window_s = (now - self._window_t0) / (self._i - self.warmup + 1)
+        self._i += 1
         if loss is not None:
             self.losses.append(float(loss))
+
+    @property
+    def count(self) -> int:
+        return self._i
 
 
 # -- the three frameworks ----------------------------------------------------------------------------
@@ -408,21 +431,19 @@ def measure(args) -> dict:
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device())
     torch.manual_seed(args.seed)
-    timer = StepTimer()
+    timer = StepTimer(args.steps)
     pinned_bytes, pinned_s = pinning_totals()
     model = RUNNERS[args.framework](args, timer)
     del model
     pinned_bytes, pinned_s = (now - before for now, before in zip(pinning_totals(), (pinned_bytes, pinned_s)))
-    secs, losses = timer.seconds, timer.losses
-    tail = secs[2:] or secs[1:] or secs
-    median = statistics.median(tail) if tail else float("nan")
+    losses, step_s = timer.losses, timer.window_s
     return {"framework": args.framework, "optimizer": args.optimizer,
             "preset": args.preset if args.optimizer == "optstate" else None,
             "model": args.model or args.shape, "micro_batch": args.micro_batch, "seq": args.seq,
             "gpu_memory": args.gpu_memory, "gpu_budget": args.gpu_budget, "world_size": world_size(),
             "device": torch.cuda.get_device_name(device()) if cuda else "cpu",
-            "steps": len(secs), "first_step_s": secs[0] if secs else None, "median_step_s": median,
-            "tokens_per_s": args.micro_batch * args.seq / median if median and median > 0 else None,
+            "steps": timer.count, "first_step_s": timer.first_s, "step_s": step_s,
+            "tokens_per_s": args.micro_batch * args.seq / step_s if step_s and step_s > 0 else None,
             "peak_gib": torch.cuda.max_memory_allocated(device()) / 2**30 if cuda else None,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": losses, "pinned_gib": pinned_bytes / 2**30, "pinning_s": pinned_s,
@@ -433,12 +454,12 @@ def table_row(r: dict) -> str:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
     return (f"| {r['framework']} | {r['optimizer']} | {r['preset'] or '-'} | {r['micro_batch']} x {r['seq']} | "
-            f"{r['gpu_memory'] or '-'} | {num(r['first_step_s'], '.2f')} | {num(r['median_step_s'], '.3f')} | "
+            f"{r['gpu_memory'] or '-'} | {num(r['first_step_s'], '.2f')} | {num(r['step_s'], '.3f')} | "
             f"{num(r['tokens_per_s'], '.0f')} | {num(r['peak_gib'], '.2f')} | {num(r['loss_first'], '.4f')} | "
             f"{num(r['loss_last'], '.4f')} |")
 
 
-TABLE_HEAD = ("| framework | optimizer | preset | micro-batch x seq | cap | first step s | median s/step | "
+TABLE_HEAD = ("| framework | optimizer | preset | micro-batch x seq | cap | first step s | s/step | "
               "tokens/s | peak GiB | first loss | last loss |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -487,7 +508,7 @@ def repeated_runs(args) -> list:
                 free_memory()
             rows.append({**row, "role": role, "run": run})
             print(table_row(rows[-1]))
-    medians = {role: [r["median_step_s"] for r in rows if r["role"] == role] for role, _ in roles}
+    medians = {role: [r["step_s"] for r in rows if r["role"] == role] for role, _ in roles}
     summary = {"role": "summary", "runs": args.repeats, "first_step_s": rows[0]["first_step_s"],
                "recipe_s": statistics.median(medians["recipe"]), "recipe_runs_s": medians["recipe"]}
     if args.against_resident:

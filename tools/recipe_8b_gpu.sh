@@ -4,7 +4,7 @@
 # 24 GB cap (bf16w-4bit-lean-offload) and on the whole card (bf16w-4bit-lean, resident), micro-batch
 # 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
 # a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
-# (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp4 hostcorr5 hostcorr5_095b
+# (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp1_ahead8 cmp4 hostcorr5 hostcorr5_095b
 # deepspeed_095b deepspeed" are the others; cmp*/hostcorr5* alternate the recipe with resident state on the
 # whole card in one process; deepspeed* install DeepSpeed from .dsw/ first, whose CPU Adam builds just in time.)
 set -uo pipefail
@@ -54,6 +54,8 @@ accelerate) run accelerate_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --f
 torchao) run torchao_cap24_mb2 110 $E --gpu-memory 24GB --micro-batch 2 --optimizer torchao-offload --steps 4 ;;
 pin) run pin_bench 100 python3 tools/pin_bench.py --gib 16 ;;
 cmp1) run cmp_cap24_mb1 200 $E --gpu-memory 24GB --micro-batch 1 --against-resident --repeats 3 ;;
+cmp1_ahead8) run cmp_cap24_mb1_ahead8 200 env OPTSTATE_STAGE_AHEAD=8 $E --gpu-memory 24GB --micro-batch 1 \
+  --against-resident --repeats 3 ;;
 cmp4)
   run cmp_cap24_mb4 230 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 3
   grep -q "cmp_cap24_mb4 rc 0" "$OUT/rc.txt" || run cmp_cap24_mb2 200 $E --gpu-memory 24GB --micro-batch 2 \

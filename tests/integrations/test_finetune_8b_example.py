@@ -49,7 +49,7 @@ def test_each_framework_trains_with_the_offload_preset(tmp_path, framework):
     assert row["steps"] == 3 and row["micro_batch"] == 2
     assert len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"])
     assert row["loss_last"] < row["loss_first"]  # the same batch every step: it is being learned
-    assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0
+    assert row["step_s"] > 0 and row["tokens_per_s"] > 0
 
 
 def test_resident_preset_and_the_adamw_baseline_agree(tmp_path):
@@ -75,8 +75,8 @@ def test_against_resident_alternates_the_runs_in_one_process_and_reports_their_r
     # the model is rebuilt from the same seed each run: where the state lives changes no loss
     assert runs[0]["losses"] == runs[2]["losses"] == runs[1]["losses"]
     assert summary["role"] == "summary" and summary["runs"] == 2
-    assert summary["recipe_runs_s"] == [runs[0]["median_step_s"], runs[2]["median_step_s"]]
-    assert summary["resident_s"] == pytest.approx((runs[1]["median_step_s"] + runs[3]["median_step_s"]) / 2)
+    assert summary["recipe_runs_s"] == [runs[0]["step_s"], runs[2]["step_s"]]
+    assert summary["resident_s"] == pytest.approx((runs[1]["step_s"] + runs[3]["step_s"]) / 2)
     assert summary["tokens_per_s_vs_resident"] == pytest.approx(summary["resident_s"] / summary["recipe_s"])
     assert summary["first_step_s"] == runs[0]["first_step_s"]
 
@@ -108,3 +108,22 @@ def test_trainer_fits_a_095b_model_under_a_12gb_cap(tmp_path):
     assert row["steps"] == 4
     assert row["peak_gib"] <= 12e9 / 2**30
     assert row["loss_last"] < row["loss_first"]
+
+
+def test_step_timer_times_the_first_step_alone_and_the_rest_as_one_window(monkeypatch):
+    module = load_module()
+    clock = iter([0.0, 5.0,  # step 1: 5 s
+                  5.5, 6.0,  # step 2 (not timed)
+                  6.0, 7.0, 7.0, 9.0, 9.5, 12.0])  # steps 3-5: a window from 6.0 to 12.0
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    timer = module.StepTimer(steps=5)
+    for i in range(5):
+        timer.begin()
+        timer.end(loss=torch.tensor(float(10 - i)))
+    assert timer.first_s == 5.0 and timer.window_s == pytest.approx(2.0) and timer.count == 5
+    assert timer.losses == [10.0, 9.0, 8.0, 7.0, 6.0]
+    one = module.StepTimer(steps=1)  # one step: it is both the first and the window
+    clock = iter([1.0, 4.0])
+    one.begin()
+    one.end()
+    assert one.first_s == one.window_s == 3.0
