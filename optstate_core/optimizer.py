@@ -11,7 +11,7 @@ from . import metrics
 from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
-from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options, check_release_supported
+from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options, follow_parameters
 from .step.granularity import resolve as resolve_granularity
 from .step.session import install_session_methods
 from .step.wrappable import check_wrappable, warn_about_checkpoint_overrides
@@ -196,8 +196,6 @@ class VirtualOptimizer(torch.optim.Optimizer):
         engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode,
                                                   release_bucket_bytes)
         if release_gradients:
-            engine.gradient_release.group = check_release_supported(
-                engine, [p for g in optimizer.param_groups for p in g["params"]])
             engine.schedule.release = engine.gradient_release
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups
@@ -212,8 +210,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
         engine.observe_closure_loss = observe_closure_loss
         install_session_methods(engine)  # train(), eval(), ...: they see their decoded state
         warn_about_checkpoint_overrides(optimizer)
-        if release_gradients:  # prefetch hooks are registered when offloaded state is first planned
-            engine.schedule.register_hooks(p for g in optimizer.param_groups for p in g["params"])
+        if release_gradients:  # hooks on every parameter (without release, when offloaded state is first planned)
+            follow_parameters(engine, defer_data_parallel=True)
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: (ParamState(s) if isinstance(p, torch.Tensor) else s) for p, s in existing.items()})
             with torch.no_grad():
@@ -231,6 +229,11 @@ class VirtualOptimizer(torch.optim.Optimizer):
             engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
         with torch.no_grad():
             clipping = engine.gradient_release
+            if clipping.release and follow_parameters(engine):
+                log.warning("optstate: the parameters in param_groups were replaced after wrap() (an FSDP2 prepare?): "
+                            "this step's gradients were not released in backward; later steps release them. Call "
+                            "optimizer.rebind_parameters() after the framework's prepare to release from the first "
+                            "step (OptStateCallback and optstate_accelerate.attach do)")
             if clipping.release or clipping.max_grad_norm is not None:
                 clipping.before_step([p for g in self.param_groups for p in g["params"]])
             engine.step()
@@ -242,13 +245,21 @@ class VirtualOptimizer(torch.optim.Optimizer):
         self._engine.schedule.zero_grad()  # a backward without a step: its staged state is not used
         self._engine.inner.zero_grad(set_to_none=set_to_none)
 
+    def rebind_parameters(self) -> None:
+        """After a framework replaced the parameters in ``param_groups`` (FSDP2's prepare in Accelerate
+        and the HF Trainer swaps in DTensor parameters): gradient release moves its backward hooks to
+        them and finds their shards' process group. Without release, nothing to do. The
+        integrations call it; step() does it too, one step late."""
+        if self._engine.gradient_release.release:
+            follow_parameters(self._engine)
+
     def add_param_group(self, param_group: dict) -> None:
         engine = self.__dict__.get("_engine")
         if engine is None:  # called by Optimizer.__init__ with the inner's groups: shared, not copied
             return
         engine.inner.add_param_group(param_group)
         if engine.gradient_release.release:
-            engine.schedule.register_hooks(engine.inner.param_groups[-1]["params"])
+            follow_parameters(engine, defer_data_parallel=True)
 
     def state_dict(self) -> dict:
         """Encoded state (tensors and primitives only), torch's group format, a format version."""

@@ -115,7 +115,8 @@ def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: s
 
     - With ``release_gradients=True`` on the optimizer, gradients are applied and freed in
       backward: ``max_grad_norm`` sets the optimizer's clipping, and ``accelerator.clip_grad_norm_``
-      is routed to it (a call at that norm returns the step's norm; another norm raises).
+      is routed to it (a call at that norm returns the step's norm; another norm raises). The
+      backward hooks move to the parameters FSDP2's prepare swapped in (``rebind_parameters``).
     Attaching again replaces the previous attachment of the same optimizer. Returns an
     :class:`Attachment` whose ``detach()`` undoes all of it.
     """
@@ -127,6 +128,7 @@ def attach(accelerator, optimizer, *, log_every: Optional[int] = None, prefix: s
         raise ValueError(f"prefix must be a string, got {type(prefix).__name__}")
     if max_grad_norm is not None:
         vopt.max_grad_norm = max_grad_norm  # validates (ValueError names max_grad_norm)
+    vopt.rebind_parameters()  # FSDP2: prepare() swapped in the sharded parameters after wrap()
     previous = _current(vopt)
     if previous is not None:
         previous.detach()

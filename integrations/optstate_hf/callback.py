@@ -91,6 +91,7 @@ class OptStateCallback(TrainerCallback):
                              "optimizers=(optstate_core.wrap(...), None)")
         self.optimizer = opt
         if opt.release_gradients:
+            opt.rebind_parameters()  # FSDP2: the Trainer's prepare swapped in the sharded parameters after wrap()
             from .optimizer import route_max_grad_norm
             route_max_grad_norm(args, opt)
         gradient_state = getattr(optimizer, "gradient_state", None)

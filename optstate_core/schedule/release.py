@@ -114,6 +114,8 @@ class GradientRelease:
         self._staged_to = 0  # positions of _last_order below this were staged (or passed) this step
         self._ahead = stage_ahead()  # batches staged ahead (read once: a bad setting fails at wrap())
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
+        self.param_ids = None  # ids of the parameters the hooks are on (follow_parameters)
+        self.deferred_check = False  # plain parameters under several processes at wrap(): checked again later
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
@@ -125,6 +127,8 @@ class GradientRelease:
         if info is None:
             return
         if not self._pending:  # the first of this backward: the rest goes when backward ends
+            if self.deferred_check:  # still plain parameters under several processes (DDP): refused here
+                follow_parameters(self.engine)
             self.engine.schedule.staged_ahead = False  # the first batch's copy is now this backward's
             try:
                 Variable._execution_engine.queue_callback(self.flush)
@@ -386,9 +390,15 @@ def _norms_fp32(grads):
         return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
 
 
-def check_release_supported(engine, params):
+DEFERRED = "deferred"  # check_release_supported at wrap(): plain parameters under several processes, for now
+
+
+def check_release_supported(engine, params, defer_data_parallel: bool = False):
     """Refuse what gradient release cannot do correctly (clear errors, nothing changed); return
-    the process group whose ranks hold the shards under FSDP2 (their norms are summed), else None."""
+    the process group whose ranks hold the shards under FSDP2 (their norms are summed), else None.
+    ``defer_data_parallel`` (at wrap(): Accelerate's and the Trainer's FSDP2 shard the model after
+    the optimizer exists): plain parameters under several processes return :data:`DEFERRED`, and
+    :func:`follow_parameters` checks again at the first backward or step."""
     if engine.prefetch_during_backward:
         raise ValueError("release_gradients=True cannot be combined with backward-time prefetch "
                          "(prefetch_during_backward=True or a prefetch_budget other than 'auto'/0): a released "
@@ -402,7 +412,35 @@ def check_release_supported(engine, params):
         return mesh.get_group()
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1:
+        if defer_data_parallel:
+            return DEFERRED
         raise ValueError("release_gradients=True under data parallelism (e.g. DDP) would update parameters before "
                          "their gradients are all-reduced (the hook runs on the local gradient); use FSDP2 "
                          "(fully_shard), whose hooks run after the reduce-scatter, or one process")
     return None
+
+
+def follow_parameters(engine, defer_data_parallel: bool = False) -> bool:
+    """Gradient release on the parameters ``param_groups`` hold now. A framework may replace them
+    after wrap() (Accelerate's FSDP2 prepare, also under the HF Trainer, swaps in DTensor
+    parameters): the backward hooks move to the current parameters and their shards' process group
+    is found; a check deferred at wrap() is made now (plain parameters under data parallelism
+    raise, unless ``defer_data_parallel``: wrap() and add_param_group). Cheap when nothing changed;
+    returns whether anything did."""
+    release = engine.gradient_release
+    params = [p for g in engine.inner.param_groups for p in g["params"]]
+    ids = tuple(map(id, params))
+    if ids == release.param_ids and not release.deferred_check:
+        return False
+    group = check_release_supported(engine, params, defer_data_parallel)
+    if ids != release.param_ids:
+        if release.param_ids is not None:  # hooks on other parameters: moved to these
+            engine.sync_transfers()
+            engine.schedule.remove_hooks()
+            engine.invalidate_plan()
+            release._infos = {}
+        engine.schedule.register_hooks(params)
+        release.param_ids = ids
+    release.deferred_check = group is DEFERRED
+    release.group = None if group is DEFERRED else group
+    return True

@@ -80,6 +80,8 @@ def switch_to_fsdp(accelerator, plugin):
 
 
 def run(accelerator, mode, out_dir, rank, world):
+    if mode == "release":
+        return run_release(accelerator, out_dir, rank, world)
     model, vopt = build()
     model, optimizer = accelerator.prepare(model, vopt)
     osa.attach(accelerator, optimizer)
@@ -118,6 +120,46 @@ def run(accelerator, mode, out_dir, rank, world):
                       moved=float((params - flat_params(build()[0])).abs().max()))
     if accelerator.is_main_process:
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
+            json.dump(result, f)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def run_release(accelerator, out_dir, rank, world):
+    """Gradient release under FSDP2's prepare, which swaps the parameters after wrap(): attach()
+    moves the hooks to the DTensor shards, so every gradient is applied and freed in backward."""
+    model = mlp(0, width=128)
+    vopt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01),
+                   oc.make_policy("8bit", min_int8_elements=256), release_gradients=True)
+    model, optimizer = accelerator.prepare(model, vopt)
+    osa.attach(accelerator, optimizer)
+    released, left = [], []
+    for i in range(ACCUM * WINDOWS):
+        x, y = (t.to(accelerator.device) for t in data(rank, i))
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x), y))
+            if accelerator.sync_gradients:
+                released.append(vopt._engine.gradient_release.released)
+                left.append(sum(p.grad is not None for p in model.parameters()))
+            optimizer.step()
+            optimizer.zero_grad()
+    params = full_params(model)
+    result = {"params": len(list(model.parameters())), "released": released, "grads_left": left,
+              "group_size": vopt._engine.gradient_release.group.size(), "steps": vopt.step_count}
+    if accelerator.is_main_process:
+        ref_model = mlp(0, width=128)  # one process on all ranks' data, no release
+        ref = oc.wrap(torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.01),
+                      oc.make_policy("8bit", min_int8_elements=256))
+        for w in range(WINDOWS):
+            for r in range(world):
+                for k in range(ACCUM):
+                    x, y = data(r, w * ACCUM + k)
+                    (F.cross_entropy(ref_model(x), y) / (ACCUM * world)).backward()
+            ref.step()
+            ref.zero_grad()
+        result.update(max_diff_from_reference=float((flat_params(ref_model) - params).abs().max()),
+                      moved=float((params - flat_params(mlp(0, width=128))).abs().max()))
+        with open(os.path.join(out_dir, "release.json"), "w") as f:
             json.dump(result, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -63,3 +63,14 @@ def test_fsdp2_plugin_trains_shards_state_and_resumes_exactly(tmp_path):
         assert a["state"].keys() == b["state"].keys() and a["state"]
         for key in a["state"]:
             assert torch.equal(a["state"][key], b["state"][key]), key
+
+
+def test_gradient_release_follows_the_parameters_fsdp2_prepare_swaps_in(tmp_path):
+    """The optimizer is wrapped before prepare() shards the model (as the HF Trainer does too):
+    attach() moves release's hooks to the DTensor shards, so each boundary micro-batch's gradients
+    are applied and freed in backward (none left for step()), the norm's group is the mesh's, and
+    training matches one process on all data."""
+    out = launch("release", tmp_path)
+    assert out["steps"] == 6 and out["group_size"] == 2
+    assert out["released"] == [out["params"]] * 6 and out["grads_left"] == [0] * 6
+    assert out["moved"] > 1e-2 and out["max_diff_from_reference"] < 5e-3, out
