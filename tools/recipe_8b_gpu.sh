@@ -4,7 +4,7 @@
 # 24 GB cap (bf16w-4bit-lean-offload) and on the whole card (bf16w-4bit-lean, resident), micro-batch
 # 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
 # a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
-# (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp1_ahead8 cmp4 hostcorr5 hostcorr5_095b
+# (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp1_ahead8 cmp4 gputests hostcorr5_ahead8 hostcorr5 hostcorr5_095b
 # deepspeed_095b deepspeed" are the others; cmp*/hostcorr5* alternate the recipe with resident state on the
 # whole card in one process; deepspeed* install DeepSpeed from .dsw/ first, whose CPU Adam builds just in time.)
 set -uo pipefail
@@ -32,7 +32,7 @@ install_deepspeed() {  # once: DeepSpeed's source archive and the wheels it lack
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/rc.txt"
 { nvidia-smi topo -m; ls -d /sys/devices/system/node/node* ; free -g; nproc; } >> "$LOG" 2>&1
 E="python3 examples/finetune_8b_24gb.py --json $OUT/rows.jsonl --steps ${STEPS:-6}"
-P="python3 -m pytest -q -p no:cacheprovider -x"
+P="python3 -m pytest -q -p no:cacheprovider"
 for step in ${STEPS_LIST:-tests timing hostcorr}; do case $step in
 tests)
   run test_resume_fused 90 $P tests/gpu/test_resume_fused.py -k "lean"
@@ -60,6 +60,9 @@ cmp4)
   run cmp_cap24_mb4 230 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 3
   grep -q "cmp_cap24_mb4 rc 0" "$OUT/rc.txt" || run cmp_cap24_mb2 200 $E --gpu-memory 24GB --micro-batch 2 \
     --against-resident --repeats 3 ;;
+gputests) run gpu_tests 330 $P --timeout 240 tests/gpu tests/integrations/test_finetune_8b_example.py -m gpu ;;
+hostcorr5_ahead8) run cmp_hostcorr_cap32_8b_ahead8 240 env OPTSTATE_STAGE_AHEAD=8 $E --gpu-memory 32GB \
+  --preset bf16w-4bit-lean-hostcorr --against-resident --repeats 5 ;;
 hostcorr5) run cmp_hostcorr_cap32_8b 260 $E --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr --against-resident \
   --repeats 5 ;;
 hostcorr5_095b) run cmp_hostcorr_cap32_095b 120 $E --shape 0.95b --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr \
