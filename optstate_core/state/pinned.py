@@ -1,14 +1,16 @@
-"""Pinned host memory for offloaded state, carved from slabs of one size.
+"""Pinned host memory for offloaded state: one allocation per request, or views of shared slabs.
 
-torch's pinned (page-locked) allocator rounds every request up to a power of two and keeps what is
-freed for reuse. Offloaded state is allocated per release batch and per state key, requests of
-odd sizes (75 MiB of 4-bit moments, 150 MiB of correction), so rounding alone nearly doubled the
-host memory a rank held (Llama-3-70B shapes on 4 GPUs: 65 GiB resident for 34 GiB of state).
-A :class:`PinnedArena` asks only for slabs of exactly ``SLAB_BYTES`` (a power of two: nothing
-rounded) and hands out aligned views of them; a request larger than a slab gets an allocation of
-its own. A slab goes back to torch's allocator (and is reused whole) when no view of it is alive.
-Each optimizer has its own arena, so a ``torch.save`` of one optimizer's state never carries
-another's bytes.
+By default each request gets a pinned allocation of its own. Sharing is off because on CUDA it
+breaks offloaded training: with states carved from shared 256 MiB slabs, the fused-path resume
+test of the ``offload`` preset hangs (tests/gpu/test_resume_fused.py) and the 4-GPU DCP resume of
+Llama-3-8B shapes with ``bf16w-4bit-lean-offload`` + release differs, while both are bit-exact with
+one allocation per state (BENCHMARKS.md section 28). The cause is not found yet.
+
+The price: torch's pinned allocator rounds every request up to a power of two, so a rank holds up
+to twice its offloaded state in host memory (Llama-3-70B shapes on 4 GPUs: 65 GiB resident for
+34 GiB of state; 38.5 GiB with shared slabs). ``OPTSTATE_PINNED_SLAB_BYTES=268435456`` turns
+sharing on, for diagnosis only: a :class:`PinnedArena` then asks for slabs of exactly that size and
+hands out aligned views of them (a larger request gets an allocation of its own).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 log = logging.getLogger("optstate.pinned")
 
-SLAB_BYTES = 2**28  # 256 MiB
+SLAB_BYTES = 0  # one allocation per request (see above); 2**28 shares 256 MiB slabs
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
 _TOTALS = {"bytes": 0, "seconds": 0.0}  # every arena of this process: bytes asked for, seconds spent asking
 FAST_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
@@ -48,8 +50,10 @@ def pinning_totals() -> Tuple[int, float]:
 class PinnedArena:
     """Hands out views of pinned slabs of ``slab_bytes`` (``pin=False``: ordinary host memory, for tests)."""
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES, pin: bool = True):
-        self.slab_bytes = int(slab_bytes)
+    def __init__(self, slab_bytes: int = None, pin: bool = True):
+        # OPTSTATE_PINNED_SLAB_BYTES > 0: requests share slabs of that size (diagnosis only, see above)
+        self.slab_bytes = int(slab_bytes if slab_bytes is not None else os.environ.get("OPTSTATE_PINNED_SLAB_BYTES",
+                                                                                     SLAB_BYTES))
         self.pin = pin
         self._slab = None  # the slab being filled
         self._used = 0
