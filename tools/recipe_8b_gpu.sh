@@ -12,18 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=16
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH="/tmp/site:$PWD:$PWD/integrations"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
-START=$SECONDS; DEADLINE=${DEADLINE:-560}
-run() {  # run NAME LIMIT CMD...: skipped when the deadline is near; its output appended to log.txt
-  local name=$1 limit=$2; shift 2
-  local left=$((DEADLINE - (SECONDS - START)))
-  if [ "$left" -lt 25 ]; then echo "$name skipped (deadline)" >> "$OUT/rc.txt"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo "=== $name ($(nvidia-smi --query-gpu=memory.used --format=csv,noheader) in use before)" >> "$LOG"
-  timeout -k 5 "$limit" "$@" > "$OUT/step.txt" 2>&1; local rc=$?
-  if [ $rc -eq 0 ]; then tail -4 "$OUT/step.txt" >> "$LOG"; else tail -40 "$OUT/step.txt" >> "$LOG"; fi
-  echo "$name rc $rc $((SECONDS - START))s" >> "$OUT/rc.txt"
-  pkill -9 -f finetune_8b_24gb.py; pkill -9 -f "pytest -q"; pkill -9 -f fsdp_dcp_resume; pkill -9 -f pin_bench; pkill -9 -f torchrun; sleep 1
-}
+START=$SECONDS; source tools/gpu_call_lib.sh
 install_deepspeed() {  # once: DeepSpeed's source archive and the wheels it lacks here, from .dsw/
   [ -d /tmp/site/deepspeed ] && return
   DS_BUILD_OPS=0 timeout 120 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \

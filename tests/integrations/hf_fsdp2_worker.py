@@ -2,7 +2,8 @@
 version 2) and ``optim="optstate_adamw_8bit"`` on 2 processes, started by ``accelerate launch``.
 
 ``python hf_fsdp2_worker.py PHASE OUT_DIR [cuda]``: PHASE ``full`` trains 6 steps (accumulation 2,
-``max_grad_norm``), saving a sharded checkpoint at step 3; ``resume`` continues from it. Each rank
+``max_grad_norm``), saving a sharded checkpoint at step 3; ``resume`` continues from it; ``release``
+trains as ``full`` with gradient release (and counts what backward released). Each rank
 writes OUT_DIR/<phase>_rank<r>.pt (full parameters, its local optimizer state, state bytes, grad norms).
 
 On CPU Accelerate ignores the FSDP plugin (it picks FSDP only for accelerator devices, see
@@ -21,7 +22,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "integrations"), HERE, os.path.dirname(
 
 import optstate_hf  # noqa: E402
 from hf_testlib import tiny_dataset, tiny_model, training_args  # noqa: E402
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
 from job_exit import end_rank  # noqa: E402
 
 SAVE_AT, STEPS = 3, 6
@@ -61,11 +62,30 @@ def local_tensors(tree, prefix=""):
     return {}
 
 
+class ReleaseCounter(TrainerCallback):
+    """Phase ``release``: before each optimizer step, how many parameters backward released and how
+    many gradients are left on the (sharded) parameters."""
+
+    def __init__(self):
+        self.released, self.left = [], []
+
+    def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+        def count(opt, *unused):
+            self.released.append(opt._engine.gradient_release.released)
+            self.left.append(sum(p.grad is not None for g in opt.param_groups for p in g["params"]))
+        optstate_hf.find_virtual_optimizer(optimizer).register_step_pre_hook(count)
+
+
 def main(phase: str, out_dir: str, device: str = "cpu") -> None:
     cls = CpuFsdpTrainer if device == "cpu" else Trainer
-    args = training_args(out_dir, save_strategy="steps", save_steps=SAVE_AT, **fsdp_overrides(device))
-    trainer = cls(model=tiny_model(), args=args, train_dataset=tiny_dataset(),
-                  callbacks=[optstate_hf.OptStateCallback()])
+    overrides = fsdp_overrides(device)
+    counter = ReleaseCounter()
+    callbacks = [optstate_hf.OptStateCallback()]
+    if phase == "release":  # gradient release: the Trainer's FSDP2 prepare swaps the parameters after wrap()
+        overrides["optim_args"] += ",release_gradients=true"
+        callbacks.append(counter)
+    args = training_args(out_dir, save_strategy="steps", save_steps=SAVE_AT, **overrides)
+    trainer = cls(model=tiny_model(), args=args, train_dataset=tiny_dataset(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_AT}") if phase == "resume" else None)
     rank = trainer.accelerator.process_index
     opt = optstate_hf.find_virtual_optimizer(trainer.optimizer)
@@ -76,7 +96,9 @@ def main(phase: str, out_dir: str, device: str = "cpu") -> None:
                 "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
                 "state_bytes": opt.memory_report()["state_bytes"],
                 "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
-                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                "released": counter.released, "grads_left": counter.left,
+                "n_params": sum(1 for _ in model.parameters())},
                os.path.join(out_dir, f"{phase}_rank{rank}.pt"))
     trainer.accelerator.wait_for_everyone()
 

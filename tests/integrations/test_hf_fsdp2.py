@@ -62,3 +62,15 @@ def test_trainer_fsdp2_matches_one_process_and_resumes_exactly(tmp_path):
         assert a["state"].keys() == b["state"].keys() and a["state"]
         for key in a["state"]:
             assert torch.equal(a["state"][key], b["state"][key]), key
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_trainer_fsdp2_releases_gradients_from_the_first_step(tmp_path):
+    """optim_args="release_gradients=true" under the Trainer's FSDP2: the optimizer exists before the
+    Trainer shards the model; OptStateCallback moves release's hooks to the DTensor parameters, so on
+    every step backward has applied and freed every gradient before step()."""
+    for rank in launch("release", tmp_path / "release"):
+        assert rank["sharded"] and rank["step_count"] == STEPS
+        assert rank["released"] == [rank["n_params"]] * STEPS and rank["grads_left"] == [0] * STEPS
+        assert len(rank["losses"]) == STEPS and rank["losses"][-1] < rank["losses"][0]
+        assert len(rank["grad_norms"]) == STEPS and all(n > 0 for n in rank["grad_norms"])  # the optimizer's norm
