@@ -33,7 +33,9 @@ activations. ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB c
 
 Each run prints one markdown table row (framework, optimizer, preset, micro-batch, cap, first
 step s, s/step: the mean over the steps after the first 2, timed as one window synchronised at its ends
-(as a training loop runs), tokens/s, peak GiB from ``torch.cuda.max_memory_allocated``,
+(as a training loop runs), tokens/s, peak GiB from ``torch.cuda.max_memory_allocated`` (the JSON adds
+the peak of the steps after the first alone: under FSDP2 the whole peak includes building the
+model on every GPU before it is sharded),
 first and last loss); ``--json PATH`` appends the same fields as a JSON line (and the pinned host
 memory the run asked for, with the seconds it took). ``--repeats N`` runs N times in one process;
 ``--against-resident`` alternates each run with the resident baseline on the whole card and prints
@@ -249,6 +251,7 @@ class StepTimer:
         self.warmup = max(0, min(warmup, steps - 1))  # steps before the window (the first among them)
         self.first_s = None
         self.window_s = None  # mean seconds per step over the window
+        self.first_peak = None  # CUDA: bytes at the peak of model setup and the first step
         self.losses = []
         self._i, self._t0, self._window_t0 = 0, None, None
 
@@ -271,6 +274,9 @@ class StepTimer:
         now = time.perf_counter()
         if self._i == 0:
             self.first_s = now - self._t0
+            if torch.cuda.is_available():  # the peak of setup and the first step; later steps measured apart
+                self.first_peak = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
         if last:
             self.window_s = (now - self._window_t0) / (self._i - self.warmup + 1)
         self._i += 1
@@ -444,7 +450,9 @@ def measure(args) -> dict:
             "device": torch.cuda.get_device_name(device()) if cuda else "cpu",
             "steps": timer.count, "first_step_s": timer.first_s, "step_s": step_s,
             "tokens_per_s": args.micro_batch * args.seq / step_s if step_s and step_s > 0 else None,
-            "peak_gib": torch.cuda.max_memory_allocated(device()) / 2**30 if cuda else None,
+            "peak_gib": max(timer.first_peak or 0, torch.cuda.max_memory_allocated(device())) / 2**30 if cuda else None,
+            "peak_after_first_step_gib": torch.cuda.max_memory_allocated(device()) / 2**30
+            if cuda and timer.count > 1 else None,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": losses, "pinned_gib": pinned_bytes / 2**30, "pinning_s": pinned_s,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
