@@ -229,13 +229,14 @@ class VirtualOptimizer(torch.optim.Optimizer):
             engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
         with torch.no_grad():
             clipping = engine.gradient_release
-            if clipping.release and follow_parameters(engine):
-                log.warning("optstate: the parameters in param_groups were replaced after wrap() (an FSDP2 prepare?): "
-                            "this step's gradients were not released in backward; later steps release them. Call "
-                            "optimizer.rebind_parameters() after the framework's prepare to release from the first "
-                            "step (OptStateCallback and optstate_accelerate.attach do)")
             if clipping.release or clipping.max_grad_norm is not None:
-                clipping.before_step([p for g in self.param_groups for p in g["params"]])
+                params = [p for g in self.param_groups for p in g["params"]]
+                if clipping.release and follow_parameters(engine, params):
+                    log.warning("optstate: the parameters in param_groups were replaced after wrap() (an FSDP2 "
+                                "prepare?): this step's gradients were not released in backward; later steps "
+                                "release them. Call optimizer.rebind_parameters() after the framework's prepare to "
+                                "release from the first step (OptStateCallback and optstate_accelerate.attach do)")
+                clipping.before_step(params)
             engine.step()
             clipping.after_step()
         engine.inner._opt_called = True  # a scheduler built on the inner optimizer must not warn

@@ -420,15 +420,16 @@ def check_release_supported(engine, params, defer_data_parallel: bool = False):
     return None
 
 
-def follow_parameters(engine, defer_data_parallel: bool = False) -> bool:
+def follow_parameters(engine, params=None, defer_data_parallel: bool = False) -> bool:
     """Gradient release on the parameters ``param_groups`` hold now. A framework may replace them
     after wrap() (Accelerate's FSDP2 prepare, also under the HF Trainer, swaps in DTensor
     parameters): the backward hooks move to the current parameters and their shards' process group
     is found; a check deferred at wrap() is made now (plain parameters under data parallelism
     raise, unless ``defer_data_parallel``: wrap() and add_param_group). Cheap when nothing changed;
-    returns whether anything did."""
+    returns whether anything did. ``params``: the groups' parameters, when the caller has them listed."""
     release = engine.gradient_release
-    params = [p for g in engine.inner.param_groups for p in g["params"]]
+    if params is None:
+        params = [p for g in engine.inner.param_groups for p in g["params"]]
     ids = tuple(map(id, params))
     if ids == release.param_ids and not release.deferred_check:
         return False

@@ -67,8 +67,10 @@ def allocate(codec: Codec, shape, dtype: torch.dtype, device: torch.device, host
 
 def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device, host: bool,
                   pin_memory: bool, arena: Optional[PinnedArena] = None) -> list:
-    """Storage for several states of one codec, carved from one buffer per payload key (pinned
-    host memory: from ``arena``'s slabs when one is given, see :mod:`.pinned`).
+    """Storage for several states of one codec, carved from one buffer per payload key; pinned
+    host memory comes from ``arena`` (the engine's; a fresh one when None), which by default gives
+    each state an allocation of its own (shared pinned buffers break offloaded state on CUDA, see
+    :mod:`.pinned`).
 
     One allocation instead of one per tensor: the CUDA caching allocator rounds large blocks up
     to 2 MiB and pinned host memory to powers of two, which for int8 state costs ~5% (measured).
@@ -81,10 +83,12 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
         layouts = [codec.payload_layout(*EncodedTensor(codec, {}, sh, dtype).slab, dtype) for sh in shapes]
     views = [dict() for _ in shapes]
     pinned = host and pin_memory
+    if pinned and arena is None:
+        arena = PinnedArena()
     for key in layouts[0] if layouts else ():
         pdtype = layouts[0][key][1]
         sizes = [math.prod(layout[key][0]) for layout in layouts]
-        if pinned and arena is not None:  # each view from the arena's slabs (packed there the same way)
+        if pinned:  # each view from the arena (one pinned allocation per view by default)
             for view, layout, n in zip(views, layouts, sizes):
                 view[key] = arena.take(n, pdtype, layout[key][0])
             continue
@@ -93,7 +97,7 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
         for n in sizes:
             offsets.append(total)
             total += -(-n // unit) * unit
-        buf = torch.empty(max(total, 1), dtype=pdtype, device=where, pin_memory=pinned)
+        buf = torch.empty(max(total, 1), dtype=pdtype, device=where)
         for view, layout, off, n in zip(views, layouts, offsets, sizes):
             view[key] = buf[off:off + n].view(layout[key][0])
     out = []
