@@ -4,11 +4,13 @@ Accelerate, and the same run with the peers (plain AdamW, torchao's CPUOffloadOp
 DeepSpeed ZeRO-2 with CPU offload), timed and measured the same way.
 
 The recipe: bf16 weights, activation checkpointing, the loss over vocabulary slices
-(``use_chunked_loss``: the 128256-word logits never whole), and the ``bf16w-4bit-lean-offload``
-preset with gradient release: the fp32 master weights (bf16 + an 8-bit correction) and the
-4-bit moments live in pinned host memory and stream through the GPU each step; each gradient is
-applied in backward and freed. The GPU keeps the bf16 weights, one bucket of gradients and the
-activations. ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB card
+(``use_chunked_loss``: the 128256-word logits never whole), gradient release (each gradient is
+applied in backward and freed), and the optimizer state that ``python -m optstate_core plan``
+picks for the cap and micro-batch (``--preset plan``, the default): the fp32 master weights
+(bf16 + an 8-bit correction) and the 4-bit moments (``bf16w-4bit-lean``) stay on the GPU up to
+a ``gpu_budget`` of what the weights, a bucket of gradients and the activations leave, and the
+rest lives in pinned host memory and streams through the GPU each step (all of it,
+``bf16w-4bit-lean-offload``, where no budget fits). ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB card
 (``torch.cuda.set_per_process_memory_fraction``), so an allocation past it fails as on a 24 GB card.
 
     # the 24 GB recipe (HF Trainer; an 8B-shaped model built in seconds on the GPU, random weights)
@@ -18,9 +20,10 @@ activations. ``--gpu-memory 24GB`` caps this process at 24e9 bytes of an 80 GB c
     # the same through Lightning or Accelerate
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --framework lightning --gpu-memory 24GB
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --framework accelerate --gpu-memory 24GB
-    # resident state up to 2 GiB, the rest streamed; the largest micro-batch under the cap
-    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --preset bf16w-4bit-lean --gpu-budget 2GiB \\
-        --gpu-memory 24GB
+    # a preset of your choice: all state streamed; resident state up to 2 GiB, the rest streamed
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --preset bf16w-4bit-lean-offload --gpu-memory 24GB
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-budget 2GiB --gpu-memory 24GB
+    # the largest micro-batch under the cap
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-memory 24GB --find-micro-batch
     # the peers (same model, data, loss and measurement)
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer adamw            # needs ~16 B/param
@@ -83,6 +86,8 @@ SHAPES = ("8b", "70b", "0.95b", "tiny")
 BETAS, EPS = (0.9, 0.999), 1e-8
 MAX_GRAD_NORM = 1.0
 RESIDENT_PRESET = "bf16w-4bit-lean"  # --against-resident's baseline: all state on the GPU
+OFFLOAD_PRESET = "bf16w-4bit-lean-offload"  # all state in host memory
+PLAN = "plan"  # --preset: as optstate plan picks (resolve_plan)
 
 
 # -- arguments ------------------------------------------------------------------------------------
@@ -94,8 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--framework", default="trainer", choices=FRAMEWORKS)
     p.add_argument("--optimizer", default="optstate", choices=OPTIMIZERS)
-    p.add_argument("--preset", default="bf16w-4bit-lean-offload",
-                   help="optstate preset of --optimizer optstate (a bf16w-* preset: the model's weights are bf16)")
+    p.add_argument("--preset", default=PLAN,
+                   help="optstate preset of --optimizer optstate (a bf16w-* preset: the model's weights are bf16); "
+                        f"'{PLAN}' (default): what `python -m optstate_core plan` picks for this model, cap and "
+                        "micro-batch (bf16w-4bit-lean, with a gpu_budget of what the activations leave where "
+                        "state must stream; bf16w-4bit-lean-offload where no budget fits; the offload preset on "
+                        "the CPU and under several processes)")
     p.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (overrides --shape)")
     p.add_argument("--shape", default="8b", choices=SHAPES, help="a Llama shape built with random weights")
     p.add_argument("--gpu-budget", default=None, help="optimizer state kept on the GPU, e.g. 2GiB (optstate)")
@@ -118,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"{RESIDENT_PRESET} + release on the whole card (no cap, no budget); prints the ratio of "
                         "the median s/step")
     p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
+    p.add_argument("--profile-trace", default=None, metavar="PATH",
+                   help="write a torch.profiler chrome trace of the two steps after the warm-up here (ranges "
+                        "'step' and 'forward'; summarise with tools/trace_timeline.py)")
     args = p.parse_args(argv)
     for name in ("micro_batch", "seq", "steps", "max_micro_batch", "repeats"):
         if getattr(args, name) < 1:
@@ -131,8 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.optimizer == "deepspeed-offload" and args.framework != "trainer":
         p.error(f"--optimizer deepspeed-offload runs through --framework trainer only, not {args.framework}")
     args.preset = PRESET_ALIASES.get(args.preset, args.preset)
-    if args.optimizer == "optstate" and args.preset not in PRESETS:
-        p.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset!r}")
+    if args.optimizer == "optstate" and args.preset not in PRESETS and args.preset != PLAN:
+        p.error(f"--preset must be '{PLAN}' or one of {', '.join(sorted(PRESETS))}, got {args.preset!r}")
     if args.gpu_budget is not None and args.optimizer != "optstate":
         p.error("--gpu-budget applies to --optimizer optstate only")
     for flag, attr in (("--gpu-memory", "gpu_memory"), ("--gpu-budget", "gpu_budget")):
@@ -146,6 +158,42 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, attr + "_bytes", None)
     if args.model is not None and not Path(args.model).is_dir():
         p.error(f"--model must be a local checkpoint directory, got {args.model!r}")
+    return args
+
+
+def resolve_plan(args) -> argparse.Namespace:
+    """``--preset plan``: the preset and ``gpu_budget`` that ``optstate plan`` picks for this model,
+    cap (the whole card without one) and micro-batch (:func:`optstate_core.apps.recipe.preset_for`:
+    of the presets that fit, the one that moves the fewest bytes over PCIe per step). An explicit
+    ``--gpu-budget`` keeps state resident up to it with bf16w-4bit-lean. On the CPU (no GPU memory
+    to plan) and under several processes (the plan is for one GPU): the offload preset. Returns
+    ``args`` resolved (a copy; as given for any other preset)."""
+    if args.optimizer != "optstate" or args.preset != PLAN:
+        return args
+    args = argparse.Namespace(**vars(args))
+    if args.gpu_budget is not None:
+        args.preset = RESIDENT_PRESET
+        return args
+    cap = args.gpu_memory_bytes
+    if cap is None and torch.cuda.is_available():
+        cap = torch.cuda.get_device_properties(device()).total_memory
+    if cap is None or world_size() > 1:
+        args.preset = OFFLOAD_PRESET
+        return args
+    from optstate_core.apps.llama import NAMED_SHAPES
+    from optstate_core.apps.model_shapes import load_config
+    from optstate_core.apps.recipe import preset_for
+    config = load_config(str(Path(args.model) / "config.json")) if args.model else NAMED_SHAPES[args.shape].hf_config()
+    preset, budget = preset_for(config, cap, args.micro_batch, args.seq, fused_loss=not args.plain_loss)
+    if preset is None:
+        sys.exit(f"--preset {PLAN}: no preset fits {args.model or args.shape} at micro-batch {args.micro_batch} x "
+                 f"{args.seq} in {cap / 2**30:.2f} GiB; see python -m optstate_core plan --help (a smaller "
+                 "micro-batch, or several GPUs)")
+    args.preset = preset
+    if budget is not None:
+        args.gpu_budget, args.gpu_budget_bytes = f"{budget / 2**30:.2f}GiB", budget
+    print(f"--preset {PLAN}: {args.preset}" + (f" + gpu_budget={args.gpu_budget}" if budget else "") +
+          f" (micro-batch {args.micro_batch} x {args.seq}, {cap / 2**30:.2f} GiB)")
     return args
 
 
@@ -186,7 +234,18 @@ def load_model(args):
         model = build_model(NAMED_SHAPES[args.shape], dev, torch.bfloat16, checkpointing=True, seed=args.seed)
     if not args.plain_loss:
         use_chunked_loss(model)
+    if args.profile_trace:
+        mark_forward(model)
     return model
+
+
+def mark_forward(model) -> None:
+    """A profiler range "forward" around each call of the whole model (recomputation under
+    checkpointing runs the layers alone, inside backward)."""
+    from torch.profiler import record_function
+    ranges = []
+    model.register_forward_pre_hook(lambda *_: ranges.append(record_function("forward").__enter__()))
+    model.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None) if ranges else None)
 
 
 class RepeatedSequences(torch.utils.data.Dataset):
@@ -246,8 +305,10 @@ class StepTimer:
     to and from host memory may run on into the next step's forward, as they do in training); the
     window's mean per step is the step time."""
 
-    def __init__(self, steps: int, warmup: int = 2):
+    def __init__(self, steps: int, warmup: int = 2, trace: str = None):
         self.steps = steps
+        self.trace = trace  # a chrome trace of the two steps after the warm-up goes here
+        self._profiler, self._range = None, None
         self.warmup = max(0, min(warmup, steps - 1))  # steps before the window (the first among them)
         self.first_s = None
         self.window_s = None  # mean seconds per step over the window
@@ -266,12 +327,14 @@ class StepTimer:
         self._t0 = time.perf_counter()
         if self._i == self.warmup:
             self._window_t0 = self._t0
+        self._profile_begin()
 
     def end(self, loss=None):
         last = self._i == self.steps - 1
         if self._i == 0 or last:
             self._sync()
         now = time.perf_counter()
+        self._profile_end()
         if self._i == 0:
             self.first_s = now - self._t0
             if torch.cuda.is_available():  # the peak of setup and the first step; later steps measured apart
@@ -286,6 +349,30 @@ class StepTimer:
     @property
     def count(self) -> int:
         return self._i
+
+    def _profile_begin(self):
+        """With a trace path: start the profiler at the first step after the warm-up, open a range per step."""
+        if not self.trace or not self.warmup < self._i <= self.warmup + 2:
+            return
+        from torch.profiler import ProfilerActivity, profile, record_function
+        if self._profiler is None:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
+        self._range = record_function("step")
+        self._range.__enter__()
+
+    def _profile_end(self):
+        """Close the step's range; after the second profiled step (or the last), write the trace."""
+        if self._range is None:
+            return
+        self._sync()
+        self._range.__exit__(None, None, None)
+        self._range = None
+        if self._i == self.warmup + 2 or self._i == self.steps - 1:
+            self._profiler.__exit__(None, None, None)
+            self._profiler.export_chrome_trace(self.trace)
+            self._profiler = None
 
 
 # -- the three frameworks ----------------------------------------------------------------------------
@@ -430,14 +517,15 @@ RUNNERS = {"trainer": run_trainer, "lightning": run_lightning, "accelerate": run
 
 # -- one measured run -------------------------------------------------------------------------------------
 def measure(args) -> dict:
-    """Train ``args.steps`` steps; the measured row."""
+    """Train ``args.steps`` steps; the measured row (``--preset plan`` resolved for this run's micro-batch)."""
+    args = resolve_plan(args)
     cuda = torch.cuda.is_available()
     if cuda:  # (the device made current and CUDA initialised first: a run without a cap has touched neither)
         torch.cuda.set_device(device())
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device())
     torch.manual_seed(args.seed)
-    timer = StepTimer(args.steps)
+    timer = StepTimer(args.steps, trace=args.profile_trace)
     pinned_bytes, pinned_s = pinning_totals()
     model = RUNNERS[args.framework](args, timer)
     del model
@@ -461,7 +549,8 @@ def measure(args) -> dict:
 def table_row(r: dict) -> str:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
-    return (f"| {r['framework']} | {r['optimizer']} | {r['preset'] or '-'} | {r['micro_batch']} x {r['seq']} | "
+    preset = (r["preset"] or "-") + (f" + gpu_budget={r['gpu_budget']}" if r.get("gpu_budget") else "")
+    return (f"| {r['framework']} | {r['optimizer']} | {preset} | {r['micro_batch']} x {r['seq']} | "
             f"{r['gpu_memory'] or '-'} | {num(r['first_step_s'], '.2f')} | {num(r['step_s'], '.3f')} | "
             f"{num(r['tokens_per_s'], '.0f')} | {num(r['peak_gib'], '.2f')} | {num(r['loss_first'], '.4f')} | "
             f"{num(r['loss_last'], '.4f')} |")

@@ -464,3 +464,29 @@ def test_recipe_only_with_a_model_or_asked_for(tmp_path, capsys):
     assert cli.main(["plan", "--config", str(path), "--recipe", "--seq", "64"]) == 0
     out = capsys.readouterr().out
     assert "## Recipe" in out and "sequences of 64 tokens" in out and "micro-batch 32" in out
+
+
+def test_preset_for_one_micro_batch_moves_the_fewest_bytes():
+    """``preset_for`` (what examples/finetune_8b_24gb.py runs by default): of the candidates that fit
+    at that micro-batch, the fewest bytes over PCIe per step; at 24 GB, micro-batch 1, that is
+    resident state up to a budget (less than streaming it all); none at micro-batch 8 there; all
+    resident on 80 GB; bad micro-batches refused by name."""
+    from optstate_core.apps import recipe
+    from optstate_core.apps.llama import NAMED_SHAPES
+    cfg = NAMED_SHAPES["8b"].hf_config()
+    for size in (1, 4):
+        preset, budget = recipe.preset_for(cfg, 24 * 10**9, size)
+        _, p = recipe._plan(plan.config_shapes(cfg), cfg, 24 * 10**9, size, 2048, True,
+                            [c for c in recipe.CANDIDATES if c != recipe.BUDGET], plan.PCIE_BYTES_PER_S)
+        rows = [recipe.candidate_row(p, c) for c in recipe.CANDIDATES]
+        fitting = [r for r in rows if r is not None and r.fits]
+        chosen = min(fitting, key=lambda r: r.pcie_bytes)
+        assert (preset, budget) == ("bf16w-4bit-lean", chosen.gpu_budget) and budget is not None
+        assert chosen.pcie_bytes < recipe.candidate_row(p, "bf16w-4bit-lean-offload").pcie_bytes
+        assert chosen.total_gpu <= 24 * 10**9 * (1 - plan.BUDGET_MARGIN) + 1
+    assert recipe.preset_for(cfg, 24 * 10**9, 1)[1] > recipe.preset_for(cfg, 24 * 10**9, 4)[1]  # less activation
+    assert recipe.preset_for(cfg, 24 * 10**9, 8) == (None, None)
+    assert recipe.preset_for(cfg, 80 * 10**9, 4) == ("bf16w-4bit-lean", None)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="micro_batch must be a positive integer"):
+            recipe.preset_for(cfg, 24 * 10**9, bad)

@@ -296,3 +296,36 @@ def test_stage_ahead_setting_is_validated(monkeypatch):
             opt.step()
         assert len(opt._engine.schedule.area.entries) == depth  # one parameter per batch here
         opt.close()
+
+
+def test_release_stages_past_resident_batches(monkeypatch):
+    """Under a ``gpu_budget`` the first batches in backward order stay resident and need no
+    upload: staging ahead passes over them, so the first streamed batch uploads at the end of the
+    step (behind the next forward) even one batch ahead, and every later step finds all its
+    streamed state staged; bit for bit all-resident state."""
+    monkeypatch.setenv("OPTSTATE_STAGE_AHEAD", "1")
+    budget = 24 * 256 * 2 + 16384  # the first matrix's 4-bit moments and correction, beside the ring
+
+    def run(preset, **options):
+        ps = list(model().parameters())
+        opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), preset, fused=True,
+                      release_gradients=bool(options), release_bucket_bytes=512, staging_bytes="16KB", **options)
+        staged = []
+        for s in range(4):
+            set_grads(ps, s)
+            if options:
+                for p in ps:  # one batch per parameter, the resident one first
+                    opt._engine.schedule.gradient_ready(p)
+                opt._engine.gradient_release.flush()
+            opt.step()
+            opt.zero_grad()
+            staged.append((len(opt._engine.schedule.area.entries),
+                           opt.memory_report()["prefetch"]["bytes_by_phase"]["step"]))
+        return ps, opt, staged
+
+    ref, _, _ = run("bf16w-4bit-lean")
+    ps, opt, staged = run("bf16w-4bit-lean", gpu_budget=budget)
+    assert all(torch.equal(p, q) for p, q in zip(ref, ps))
+    assert [opt.state[p][MASTER_KEY].host_tier for p in ps] == [False, True, True]
+    assert staged[0][0] == 1  # the first step: p0 resident, p1 staged for the next step (not nothing)
+    assert all(entries == 1 and streamed == 0 for entries, streamed in staged[1:])  # nothing left for the ring

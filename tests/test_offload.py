@@ -82,11 +82,27 @@ def test_budget_accounting():
     ps, opt = run(False, **MODES["budgeted"])
     engine = opt._engine
     resident = [p for p in ps if id(p) in engine.placement.resident]
-    assert resident == [ps[0]]
+    # 33 780 B of room for 70 656 B of int8/fp32 state (33 280, 16 640, 4 096, 16 640): the resident
+    # share (48%) spread along the order: the first tensor's accrued share (15 900 B) is under half
+    # of it, so it streams; the next two stay; the last no longer fits the room left
+    assert resident == [ps[1], ps[2]]
     device_bytes = opt.memory_report()["device_bytes"]
     assert device_bytes + engine.placement.staging_size(ps[0].device) <= engine.placement.gpu_budget
-    for p in ps[1:]:
+    for p in (ps[0], ps[3]):
         assert opt.state[p]["exp_avg"].host_tier
+
+
+def test_spread_residency():
+    """The resident share spreads evenly along the parameters (every other one at half the
+    state), rounding leftovers are filled in order, everything stays when it fits, nothing
+    with no room."""
+    from optstate_core.schedule.placement import spread_residency
+    assert spread_residency([10] * 8, 40) == [True, False] * 4
+    assert spread_residency([10] * 9, 30) == [False, True, False] * 3
+    assert spread_residency([10, 10, 10, 2, 2], 11) == [False, True, False, False, False]
+    assert spread_residency([30, 5, 5, 30], 40) == [True, True, True, False]  # the leftover filled in order
+    assert spread_residency([3, 4], 7) == [True, True] and spread_residency([3, 4], 0) == [False, False]
+    assert spread_residency([], 5) == []
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])

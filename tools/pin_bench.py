@@ -2,7 +2,8 @@
 """How fast pinned host memory can be had: the offload presets pin all their state in the first step.
 
 Each mode runs in a fresh process and pins ``--gib`` GiB in slabs of ``--slab-mib`` MiB, then copies
-1 GiB from it to the GPU and back three times (page-locked memory copies at PCIe speed):
+1 GiB from it to the GPU and back three times (page-locked memory copies at PCIe speed), then 0.5 GiB
+each way at once on two streams (an offloaded step's uploads and write-backs overlap):
 
 - ``torch``: ``torch.empty(..., pin_memory=True)`` (torch's caching host allocator: cudaHostAlloc);
 - ``torch-register-8``: the same with ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,
@@ -61,10 +62,41 @@ def one_mode(mode: str, gib: float, slab_mib: int) -> dict:
                 off += c.numel()
             torch.cuda.synchronize()
             times[name].append(off / (time.perf_counter() - t0) / 1e9)
+    both = duplex(torch, gpu, chunks, slabs[len(chunks):2 * len(chunks)] or chunks)
     for ptr in registered:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     return {"mode": mode, "gib": n * slab / 2**30, "pin_s": pin_s, "pin_gbps": n * slab / pin_s / 1e9,
-            "is_pinned": bool(slabs[0].is_pinned()), "h2d_gbps": times["h2d"], "d2h_gbps": times["d2h"]}
+            "is_pinned": bool(slabs[0].is_pinned()), "h2d_gbps": times["h2d"], "d2h_gbps": times["d2h"],
+            "duplex_gbps": both}
+
+
+def duplex(torch, gpu, sources, targets) -> list:
+    """GB/s each way with uploads (``sources`` -> first half of ``gpu``) and downloads (second half
+    -> ``targets``) running at once on two streams, three times (an offloaded step moves its state
+    both ways at once)."""
+    half = gpu.numel() // 2
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        moved = [0, 0]
+        for stream, pairs, k in ((up, sources, 0), (down, targets, 1)):
+            with torch.cuda.stream(stream):
+                off = 0
+                for c in pairs:
+                    n = min(c.numel(), half - off)
+                    if n <= 0:
+                        break
+                    if k == 0:
+                        gpu[off:off + n].copy_(c[:n], non_blocking=True)
+                    else:
+                        c[:n].copy_(gpu[half + off:half + off + n], non_blocking=True)
+                    off += n
+                moved[k] = off
+        torch.cuda.synchronize()
+        out.append(min(moved) / (time.perf_counter() - t0) / 1e9)
+    return out
 
 
 def main(argv=None) -> None:
@@ -77,8 +109,8 @@ def main(argv=None) -> None:
     if args.one:
         print(json.dumps(one_mode(args.one, args.gib, args.slab_mib)))
         return
-    print("| mode | GiB | pin s | pin GB/s | is_pinned | H2D GB/s (first, best of 3) | D2H GB/s (first, best) |\n"
-          "|---|---:|---:|---:|---|---:|---:|")
+    print("| mode | GiB | pin s | pin GB/s | is_pinned | H2D GB/s (first, best of 3) | D2H GB/s (first, best) | "
+          "both at once, GB/s each way (best) |\n|---|---:|---:|---:|---|---:|---:|---:|")
     for mode in args.modes.split(","):
         env = dict(os.environ)
         if mode in ENV:
@@ -90,7 +122,8 @@ def main(argv=None) -> None:
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"| {r['mode']} | {r['gib']:.1f} | {r['pin_s']:.2f} | {r['pin_gbps']:.1f} | {r['is_pinned']} | "
-              f"{r['h2d_gbps'][0]:.1f}, {max(r['h2d_gbps']):.1f} | {r['d2h_gbps'][0]:.1f}, {max(r['d2h_gbps']):.1f} |")
+              f"{r['h2d_gbps'][0]:.1f}, {max(r['h2d_gbps']):.1f} | {r['d2h_gbps'][0]:.1f}, {max(r['d2h_gbps']):.1f} | "
+              f"{max(r['duplex_gbps']):.1f} |")
 
 
 if __name__ == "__main__":

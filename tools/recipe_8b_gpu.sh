@@ -5,7 +5,8 @@
 # 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
 # a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
 # (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp1_ahead8 cmp4 gputests hostcorr5_ahead8 hostcorr5 hostcorr5_095b
-# deepspeed_095b deepspeed" are the others; cmp*/hostcorr5* alternate the recipe with resident state on the
+# deepspeed_095b deepspeed duplex profile1 ahead_sweep cmp32 cmp4_2" are the others; the example's default
+# --preset plan runs what optstate plan picks for the cap and micro-batch; cmp*/hostcorr5* alternate the recipe with resident state on the
 # whole card in one process; deepspeed* install DeepSpeed from .dsw/ first, whose CPU Adam builds just in time.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=16
@@ -49,6 +50,8 @@ cmp4)
   run cmp_cap24_mb4 230 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 3
   grep -q "cmp_cap24_mb4 rc 0" "$OUT/rc.txt" || run cmp_cap24_mb2 200 $E --gpu-memory 24GB --micro-batch 2 \
     --against-resident --repeats 3 ;;
+cmp32) run cmp_cap32_mb1 200 $E --gpu-memory 32GB --micro-batch 1 --against-resident --repeats 3 ;;
+cmp4_2) run cmp_cap24_mb4_2 170 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 2 ;;
 gputests) run gpu_tests 330 $P --timeout 240 tests/gpu tests/integrations/test_finetune_8b_example.py -m gpu ;;
 hostcorr5_ahead8) run cmp_hostcorr_cap32_8b_ahead8 240 env OPTSTATE_STAGE_AHEAD=8 $E --gpu-memory 32GB \
   --preset bf16w-4bit-lean-hostcorr --against-resident --repeats 5 ;;
@@ -65,6 +68,15 @@ deepspeed)
   install_deepspeed
   run deepspeed_cap24_8b_mb2 240 torchrun --nproc_per_node 1 examples/finetune_8b_24gb.py --json $OUT/rows.jsonl \
     --steps 4 --gpu-memory 24GB --micro-batch 2 --optimizer deepspeed-offload ;;
+duplex) run pin_duplex 60 python3 tools/pin_bench.py --gib 2 --modes torch-register-8 ;;
+profile1)  # a trace of steps 3-4 at micro-batch 1, the recipe under the cap and resident state, summarised
+  for side in "recipe --gpu-memory 24GB" "resident --preset bf16w-4bit-lean"; do set -- $side; name=$1; shift
+    run "profile_mb1_$name" 100 $E --micro-batch 1 "$@" --profile-trace /tmp/trace_$name.json
+    timeout 60 python3 tools/trace_timeline.py /tmp/trace_$name.json --gap-ms 0.5 > "$OUT/trace_$name.txt" 2>&1
+  done ;;
+ahead_sweep)  # micro-batch 1 under the cap with more release batches staged ahead, and resident state under a budget
+  for n in 16 32; do run "cap24_mb1_ahead$n" 75 env OPTSTATE_STAGE_AHEAD=$n $E --gpu-memory 24GB --micro-batch 1; done
+  run cap24_mb1_budget3 75 $E --gpu-memory 24GB --micro-batch 1 --preset bf16w-4bit-lean --gpu-budget 3GiB ;;
 resume) run resume_095b_offload 70 torchrun --nproc_per_node 1 tools/fsdp_dcp_resume.py --model 0.95b \
   --checkpoint /tmp/dcp --optimizers bf16w-4bit-lean-offload+release ;;
 esac; done

@@ -55,7 +55,9 @@ MIN_BUDGET_ROW = 2**30  # the smallest gpu_budget the plan offers as a row of it
 PCIE_BYTES_PER_S = 42e9
 #: the preset a "gpu_budget" row is built from (resident up to the budget, the rest streamed)
 BUDGET_PRESET = "bf16w-4bit-lean"
-BUDGET_MARGIN = 0.05  # of the GPU left free beside a gpu_budget row (allocator fragmentation, cuBLAS workspaces)
+# of the GPU left free beside a gpu_budget row (allocator fragmentation, cuBLAS workspaces): at 8B, 24 GB,
+# micro-batch 1 a 3 GiB budget peaked at 21.19 GiB of the 22.35 allowed (BENCHMARKS.md section 29)
+BUDGET_MARGIN = 0.025
 
 
 # -- state bytes ----------------------------------------------------------------------------
@@ -272,17 +274,18 @@ def _per_rank(st: StateBytes, gpus: int) -> StateBytes:
 
 
 def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget: int) -> StateBytes:
-    """State bytes of ``preset`` under ``gpu_budget=budget``: as the optimizer assigns residency,
-    each parameter's state (moments and correction) stays on the GPU, in parameter order, while it
-    fits beside the staging ring (half the budget at most); the rest is in host memory."""
+    """State bytes of ``preset`` under ``gpu_budget=budget``: as the optimizer assigns residency
+    (:func:`~optstate_core.schedule.placement.spread_residency`), each parameter's state (moments
+    and correction) stays on the GPU or not as a whole, beside the staging ring (half the budget
+    at most); the rest is in host memory."""
+    from ..schedule.placement import spread_residency
     out = StateBytes()
-    room = budget - min(STAGING_BYTES, budget // 2)
-    for entries in _param_states(shapes, preset, optimizer, torch.float32):
-        need = sum(nbytes for *_, nbytes in entries)
-        tier = "device" if need <= room else "host"
-        room -= need if tier == "device" else 0
+    params = list(_param_states(shapes, preset, optimizer, torch.float32))
+    keep = spread_residency([sum(nbytes for *_, nbytes in entries) for entries in params],
+                            budget - min(STAGING_BYTES, budget // 2))
+    for entries, stays in zip(params, keep):
         for key, codec, _, nbytes in entries:
-            out.add(key, codec, tier, nbytes)
+            out.add(key, codec, "device" if stays else "host", nbytes)
     return out
 
 

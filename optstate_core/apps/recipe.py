@@ -6,7 +6,9 @@ checkpointing. Of the presets that fit at micro-batch 1 with the fused (chunked)
 ``bf16w-4bit-lean`` (all state resident), ``bf16w-4bit-lean-hostcorr`` (the master correction in
 host memory), ``bf16w-4bit-lean`` with ``gpu_budget`` (resident up to what is left, the rest
 streamed) and ``bf16w-4bit-lean-offload`` (all state in host memory), the recipe names the one with
-the most tokens/s expected at its largest micro-batch (within 1%: the earlier in that list). Then
+the most tokens/s expected at its largest micro-batch (within 1%: the one that moves fewer bytes over
+PCIe per step there, then the earlier in that list). :func:`preset_for` makes the same choice at one
+given micro-batch (what examples/finetune_8b_24gb.py runs by default). Then
 the micro-batches that fit with the plain loss and with the fused one, what crosses PCIe per step
 and the tokens/s to expect against all-resident state.
 
@@ -30,7 +32,7 @@ BUDGET = f"{BUDGET_PRESET} + gpu_budget"  # the candidate that keeps state resid
 #: candidates in order of preference: the least state in host memory first
 CANDIDATES = ("bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr", BUDGET, "bf16w-4bit-lean-offload")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-TIE = 0.01  # expected tokens/s within 1% of each other: the candidate with less state in host memory wins
+TIE = 0.01  # expected tokens/s within 1% of each other: the candidate moving fewer bytes over PCIe wins
 DEFAULT_SEQ = 2048
 #: achieved bf16 TFLOP/s of forward + backward with checkpointing: one H100, Llama-3-8B shapes, batch
 #: 1x2048, 0.28 s per forward + backward (= 8 * params * tokens / time)
@@ -113,18 +115,39 @@ def recipe(config: dict, gpu_memory: int, seq: int = DEFAULT_SEQ, tflops: float 
     _, first = _plan(shapes, config, gpu_memory, 1, seq, True, presets, pcie_bytes_per_s)
     out = Recipe(gpu_memory, seq, tflops, first.n_params, hidden, vocab, pcie_bytes_per_s, None, [], first,
                  gpu_text or f"{gpu_memory / 1e9:g}GB")
-    best, best_tps = out, 0.0
+    best, best_key = out, None
     for candidate in CANDIDATES:  # every one that fits at micro-batch 1 with the fused loss
         row = candidate_row(first, candidate)
         if row is None or not row.fits:
             continue
         option = replace(out, preset=candidate,
                          micro_batches=_micro_batches(shapes, config, gpu_memory, seq, candidate, pcie_bytes_per_s))
-        tps = throughput(option, option.largest(True))[0]
-        log.debug("recipe: %s, micro-batch %d, %.0f tokens/s", candidate, option.largest(True), tps)
-        if tps > best_tps * (1 + TIE):  # the earlier candidate (less host state) wins a tie
-            best, best_tps = option, tps
+        size = option.largest(True)
+        tps, moved = throughput(option, size)[0], option.row(size).pcie_bytes
+        log.debug("recipe: %s, micro-batch %d, %.0f tokens/s, %d bytes over PCIe", candidate, size, tps, moved)
+        if best_key is None or tps > best_key[0] * (1 + TIE) or \
+                (tps >= best_key[0] / (1 + TIE) and moved < best_key[1]):  # a tie: fewer bytes over PCIe win
+            best, best_key = option, (tps, moved)
     return best
+
+
+def preset_for(config: dict, gpu_memory: int, micro_batch: int, seq: int = DEFAULT_SEQ, fused_loss: bool = True,
+               pcie_bytes_per_s: float = PCIE_BYTES_PER_S) -> Tuple[Optional[str], Optional[int]]:
+    """``(preset, gpu_budget or None)`` for a Llama-family ``config`` at ``micro_batch`` x ``seq`` on
+    ``gpu_memory`` bytes: of :data:`CANDIDATES` that fit, the one that moves the fewest bytes over
+    PCIe per step (all-resident state first; then the earlier in that list); ``(None, None)`` when
+    none fits."""
+    check_recipe_args(seq, DEFAULT_TFLOPS)
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    _, p = _plan(config_shapes(config), config, gpu_memory, micro_batch, seq, fused_loss,
+                 [c for c in CANDIDATES if c != BUDGET], pcie_bytes_per_s)
+    fitting = [(row.pcie_bytes, i, row) for i, row in enumerate(candidate_row(p, c) for c in CANDIDATES)
+               if row is not None and row.fits]
+    if not fitting:
+        return None, None
+    _, i, row = min(fitting, key=lambda f: f[:2])
+    return CANDIDATES[i].split(" + ")[0], row.gpu_budget
 
 
 def _micro_batches(shapes, config, gpu_memory, seq, candidate, pcie_bytes_per_s) -> List[MicroBatch]:

@@ -60,8 +60,9 @@ class Placement:
         return self.staging_bytes if budget is None else max(4096, min(self.staging_bytes, budget // 2))
 
     def assign_residency(self, works: List[Work], step: int) -> None:
-        """Under a GPU budget: keep state resident in step order while it fits beside the staging
-        ring; the rest streams from host memory every step."""
+        """Under a GPU budget: keep state resident beside the staging ring, spread evenly over the
+        parameters in index order (:func:`spread_residency`); the rest streams from host memory
+        every step."""
         if self.gpu_budget is None:
             self.resident = None
             return
@@ -69,7 +70,7 @@ class Placement:
             return
         device = works[0].param.device
         room = self.budget_bytes(device) - self.staging_size(device)
-        resident = set()
+        needs = []
         for w in works:
             keys = [k for k, v in w.state.items() if not is_scalar_state(v) and not keeps_own_shape(v, w.key)
                     and k != MASTER_KEY] or ["exp_avg", "exp_avg_sq"]
@@ -80,7 +81,30 @@ class Placement:
             master = self.policy.master_codec(w.info)  # the master-weight correction follows its parameter
             if master is not None:
                 need += master.nbytes(w.rows, w.cols, torch.float32)
-            if need <= room:
-                resident.add(id(w.key))
-                room -= need
-        self.resident = resident
+            needs.append(need)
+        self.resident = {id(w.key) for w, keep in zip(works, spread_residency(needs, room)) if keep}
+
+
+def spread_residency(needs: List[int], room: int) -> List[bool]:
+    """Which of these state sizes (parameters in index order) stay resident in ``room`` bytes:
+    the resident share spread evenly along the order (a parameter stays when the share it has
+    accrued covers half of it), then the room left filled in order. Spread, the streamed state is
+    spread over backward too: its copies overlap all of backward's compute instead of queueing at
+    one end of it while the other end moves nothing (BENCHMARKS.md section 29)."""
+    total = sum(needs)
+    if total <= room:
+        return [True] * len(needs)
+    share = max(room, 0) / total if total else 0.0
+    keep, credit = [], 0.0
+    for need in needs:
+        credit += need * share
+        stays = need <= room and credit >= need / 2
+        if stays:
+            credit -= need
+            room -= need
+        keep.append(stays)
+    for i, need in enumerate(needs):  # what rounding left over
+        if not keep[i] and need <= room:
+            keep[i] = True
+            room -= need
+    return keep

@@ -169,16 +169,26 @@ class GradientRelease:
         """Upload the offloaded state of the next :func:`stage_ahead` batches expected (read when the
         optimizer was built; the previous step's batches at the positions after this one; at the
         end of a step, the next step's first) while backward, or the next forward, computes: their
-        updates then find the state on the device. The device holds at most that many + 1 batches'
-        staged state. Returns whether anything was staged."""
+        updates then find the state on the device. Batches whose state is all resident (a
+        ``gpu_budget`` keeps the first ones in backward order) are passed over, not counted: the
+        next streamed batches upload behind the forward and the resident updates. The device holds
+        at most that many + 1 batches' staged state. Returns whether anything was staged."""
         staged = False
-        end = min(len(self._order) + self._ahead, len(self._last_order))
+        end, found = len(self._order), 0
+        while end < len(self._last_order) and found < self._ahead:
+            found += self._streams(self._last_order[end])
+            end += 1
         for position in range(max(len(self._order), self._staged_to), end):
             entry = self._buckets.get(self._last_order[position])
             if entry is not None:
                 staged |= self.engine.schedule.stage([b for b in entry[0] if self._current(b)])
         self._staged_to = max(self._staged_to, end)
         return staged
+
+    def _streams(self, batch: tuple) -> bool:
+        """Whether a batch of the previous step has state in host memory (unknown batches count)."""
+        entry = self._buckets.get(batch)
+        return entry is None or any(b.plan["offload"] for b in entry[0])
 
     def _info_of(self, param):
         info = self._infos.get(id(param))

@@ -101,6 +101,34 @@ def test_bad_arguments_are_refused_by_name(capsys, argv, name):
     assert name in capsys.readouterr().err
 
 
+def test_preset_plan_follows_optstate_plan(monkeypatch, capsys):
+    """``--preset plan`` (the default) runs what ``optstate plan`` picks for the cap and micro-batch:
+    at 8B under 24 GB, bf16w-4bit-lean with the budget the activations leave (smaller at micro-batch
+    4); an explicit --gpu-budget keeps that budget; no fit exits naming the option; without a cap on
+    the CPU, or under several processes, the offload preset. The given arguments are not changed."""
+    from optstate_core.apps.llama import NAMED_SHAPES
+    from optstate_core.apps.recipe import preset_for
+    module = load_module()
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: False)
+    cfg = NAMED_SHAPES["8b"].hf_config()
+    for size in (1, 4):
+        args = module.parse_args(["--gpu-memory", "24GB", "--micro-batch", str(size)])
+        got = module.resolve_plan(args)
+        budget = preset_for(cfg, 24 * 10**9, size)[1]
+        assert (got.preset, got.gpu_budget_bytes) == ("bf16w-4bit-lean", budget) and budget > 2**30
+        assert got.gpu_budget == f"{budget / 2**30:.2f}GiB" and args.preset == "plan" and args.gpu_budget is None
+        assert f"--preset plan: bf16w-4bit-lean + gpu_budget={got.gpu_budget}" in capsys.readouterr().out
+    got = module.resolve_plan(module.parse_args(["--gpu-memory", "24GB", "--gpu-budget", "2GiB"]))
+    assert (got.preset, got.gpu_budget_bytes) == ("bf16w-4bit-lean", 2**30 * 2)
+    with pytest.raises(SystemExit, match="--preset plan: no preset fits 8b at micro-batch 16"):
+        module.resolve_plan(module.parse_args(["--gpu-memory", "24GB", "--micro-batch", "16"]))
+    assert module.resolve_plan(module.parse_args([])).preset == "bf16w-4bit-lean-offload"  # CPU, no cap
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert module.resolve_plan(module.parse_args(["--gpu-memory", "24GB"])).preset == "bf16w-4bit-lean-offload"
+    explicit = module.parse_args(["--preset", "bf16w-4bit-lean-hostcorr", "--gpu-memory", "24GB"])
+    assert module.resolve_plan(explicit) is explicit
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_trainer_fits_a_095b_model_under_a_12gb_cap(tmp_path):
