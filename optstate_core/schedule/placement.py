@@ -1,6 +1,7 @@
 """Where each state lives and in which codec: the policy's answer, FSDP2's block limits, the GPU budget."""
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 import torch
@@ -23,6 +24,7 @@ class Placement:
         self.force_tier: Optional[str] = None  # "host" after offload()
         self.offload_all = False
         self.resident: Optional[set] = None  # ids of parameters kept on the device under the budget
+        self.residency = residency_mode()  # read once: a bad setting fails at wrap()
 
     def codec_of(self, w: Work, key: str, step: int):
         """The policy's codec, unless the parameter's sharding cannot keep whole blocks per rank."""
@@ -82,23 +84,36 @@ class Placement:
             if master is not None:
                 need += master.nbytes(w.rows, w.cols, torch.float32)
             needs.append(need)
-        self.resident = {id(w.key) for w, keep in zip(works, spread_residency(needs, room)) if keep}
+        keep = spread_residency(needs, room, even=self.residency == "spread")
+        self.resident = {id(w.key) for w, stays in zip(works, keep) if stays}
 
 
-def spread_residency(needs: List[int], room: int) -> List[bool]:
+RESIDENCY_MODES = ("spread", "order")
+
+
+def residency_mode() -> str:
+    """``OPTSTATE_RESIDENCY``: ``spread`` (default) or ``order`` (the first parameters in index
+    order while they fit, as before spreading; to compare the two)."""
+    value = os.environ.get("OPTSTATE_RESIDENCY", "spread").strip().lower()
+    if value not in RESIDENCY_MODES:
+        raise ValueError(f"OPTSTATE_RESIDENCY must be one of {', '.join(RESIDENCY_MODES)}, got {value!r}")
+    return value
+
+
+def spread_residency(needs: List[int], room: int, even: bool = True) -> List[bool]:
     """Which of these state sizes (parameters in index order) stay resident in ``room`` bytes:
     the resident share spread evenly along the order (a parameter stays when the share it has
-    accrued covers half of it), then the room left filled in order. Spread, the streamed state is
-    spread over backward too: its copies overlap all of backward's compute instead of queueing at
-    one end of it while the other end moves nothing (BENCHMARKS.md section 29)."""
+    accrued covers half of it), then the room left filled in order (``even=False``: only that).
+    Spread, the streamed state is spread over backward too: its copies overlap all of backward's
+    compute instead of queueing at one end of it while the other end moves nothing."""
     total = sum(needs)
     if total <= room:
         return [True] * len(needs)
-    share = max(room, 0) / total if total else 0.0
+    share = max(room, 0) / total if total and even else 0.0
     keep, credit = [], 0.0
     for need in needs:
         credit += need * share
-        stays = need <= room and credit >= need / 2
+        stays = even and need <= room and credit >= need / 2
         if stays:
             credit -= need
             room -= need
