@@ -5,7 +5,7 @@
 # 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
 # a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
 # (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp1_ahead8 cmp4 gputests hostcorr5_ahead8 hostcorr5 hostcorr5_095b
-# deepspeed_095b deepspeed duplex profile1 ahead_sweep cmp32 cmp4_2 cmp1_order cmp1_ahead4 cmp32_order" are the
+# deepspeed_095b deepspeed duplex profile1 ahead_sweep cmp32 cmp4_2 cmp1_order cmp1_ahead4 cmp32_order trainer" are the
 # others (OPTSTATE_RESIDENCY=order: a gpu_budget's resident state in parameter order, not spread); the example's default
 # --preset plan runs what optstate plan picks for the cap and micro-batch; cmp*/hostcorr5* alternate the recipe with resident state on the
 # whole card in one process; deepspeed* install DeepSpeed from .dsw/ first, whose CPU Adam builds just in time.)
@@ -40,6 +40,7 @@ hostcorr)
     run trainer_whole_095b 45 $E --shape 0.95b --preset bf16w-4bit-lean
     run trainer_cap32_hostcorr_095b 45 $E --shape 0.95b --gpu-memory 32GB --preset bf16w-4bit-lean-hostcorr
   done ;;
+trainer) run trainer_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 ;;
 lightning) run lightning_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework lightning ;;
 accelerate) run accelerate_cap24_mb2 90 $E --gpu-memory 24GB --micro-batch 2 --framework accelerate ;;
 torchao) run torchao_cap24_mb2 110 $E --gpu-memory 24GB --micro-batch 2 --optimizer torchao-offload --steps 4 ;;
