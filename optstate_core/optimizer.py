@@ -11,7 +11,8 @@ from . import metrics
 from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
-from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options, follow_parameters
+from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options
+from .schedule.release_params import follow_parameters
 from .step.granularity import resolve as resolve_granularity
 from .step.session import install_session_methods
 from .step.wrappable import check_wrappable, warn_about_checkpoint_overrides

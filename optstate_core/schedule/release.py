@@ -47,10 +47,11 @@ from typing import Dict, Optional
 import torch
 from torch.autograd import Variable
 
-from ..state.dtensor import is_dtensor, local
+from ..state.dtensor import local
 from ..state.units import env_count
 from ..step.gradients import collect
 from ..step.inner import group_signature
+from .release_params import follow_parameters
 
 log = logging.getLogger("optstate")
 
@@ -114,7 +115,7 @@ class GradientRelease:
         self._staged_to = 0  # positions of _last_order below this were staged (or passed) this step
         self._ahead = stage_ahead()  # batches staged ahead (read once: a bad setting fails at wrap())
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
-        self.param_ids = None  # ids of the parameters the hooks are on (follow_parameters)
+        self.param_ids = None  # ids of the parameters the hooks are on (release_params.follow_parameters)
         self.deferred_check = False  # plain parameters under several processes at wrap(): checked again later
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
@@ -398,60 +399,3 @@ def _norms_fp32(grads):
         return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
     except (TypeError, RuntimeError):  # a torch without the dtype argument, or a layout foreach does not take
         return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-
-
-DEFERRED = "deferred"  # check_release_supported at wrap(): plain parameters under several processes, for now
-
-
-def check_release_supported(engine, params, defer_data_parallel: bool = False):
-    """Refuse what gradient release cannot do correctly (clear errors, nothing changed); return
-    the process group whose ranks hold the shards under FSDP2 (their norms are summed), else None.
-    ``defer_data_parallel`` (at wrap(): Accelerate's and the Trainer's FSDP2 shard the model after
-    the optimizer exists): plain parameters under several processes return :data:`DEFERRED`, and
-    :func:`follow_parameters` checks again at the first backward or step."""
-    if engine.prefetch_during_backward:
-        raise ValueError("release_gradients=True cannot be combined with backward-time prefetch "
-                         "(prefetch_during_backward=True or a prefetch_budget other than 'auto'/0): a released "
-                         "parameter is updated in backward already")
-    sharded = [p for p in params if is_dtensor(p)]
-    if sharded:
-        mesh = sharded[0].device_mesh
-        if len(sharded) != len(params) or mesh.ndim != 1 or any(p.device_mesh != mesh for p in sharded):
-            raise ValueError("release_gradients=True with DTensor parameters needs every parameter sharded by FSDP2 "
-                             "over one 1-D device mesh")
-        return mesh.get_group()
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_world_size() > 1:
-        if defer_data_parallel:
-            return DEFERRED
-        raise ValueError("release_gradients=True under data parallelism (e.g. DDP) would update parameters before "
-                         "their gradients are all-reduced (the hook runs on the local gradient); use FSDP2 "
-                         "(fully_shard), whose hooks run after the reduce-scatter, or one process")
-    return None
-
-
-def follow_parameters(engine, params=None, defer_data_parallel: bool = False) -> bool:
-    """Gradient release on the parameters ``param_groups`` hold now. A framework may replace them
-    after wrap() (Accelerate's FSDP2 prepare, also under the HF Trainer, swaps in DTensor
-    parameters): the backward hooks move to the current parameters and their shards' process group
-    is found; a check deferred at wrap() is made now (plain parameters under data parallelism
-    raise, unless ``defer_data_parallel``: wrap() and add_param_group). Cheap when nothing changed;
-    returns whether anything did. ``params``: the groups' parameters, when the caller has them listed."""
-    release = engine.gradient_release
-    if params is None:
-        params = [p for g in engine.inner.param_groups for p in g["params"]]
-    ids = tuple(map(id, params))
-    if ids == release.param_ids and not release.deferred_check:
-        return False
-    group = check_release_supported(engine, params, defer_data_parallel)
-    if ids != release.param_ids:
-        if release.param_ids is not None:  # hooks on other parameters: moved to these
-            engine.sync_transfers()
-            engine.schedule.remove_hooks()
-            engine.invalidate_plan()
-            release._infos = {}
-        engine.schedule.register_hooks(params)
-        release.param_ids = ids
-    release.deferred_check = group is DEFERRED
-    release.group = None if group is DEFERRED else group
-    return True
