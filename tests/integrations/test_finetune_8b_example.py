@@ -65,6 +65,19 @@ def test_resident_preset_and_the_adamw_baseline_agree(tmp_path):
     assert ours["loss_last"] == pytest.approx(base["loss_last"], rel=0.02)
 
 
+def test_profile_trace_covers_the_two_steps_after_the_warm_up(tmp_path):
+    """--profile-trace writes a chrome trace with a "step" range for steps 4 and 5 (after the two
+    warm-up steps and the first of the window) and a "forward" range inside each."""
+    trace = tmp_path / "trace.json"
+    row = run_script(tmp_path, ["--framework", "trainer", *TINY, "--steps", "5", "--profile-trace", str(trace)])
+    assert row["steps"] == 5
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "step")
+    forwards = [e["ts"] for e in events if e["name"] == "forward"]
+    assert len(steps) == 2 and len(forwards) == 2
+    assert all(any(a <= t <= b for a, b in steps) for t in forwards)
+
+
 def test_against_resident_alternates_the_runs_in_one_process_and_reports_their_ratio(tmp_path):
     rows = run_script(tmp_path, ["--preset", "bf16w-4bit-lean-offload", "--against-resident", "--repeats", "2",
                                  *TINY], lines=5)
