@@ -62,7 +62,7 @@ def one_mode(mode: str, gib: float, slab_mib: int) -> dict:
                 off += c.numel()
             torch.cuda.synchronize()
             times[name].append(off / (time.perf_counter() - t0) / 1e9)
-    both = duplex(torch, gpu, chunks, slabs[len(chunks):2 * len(chunks)] or chunks)
+    both = duplex(gpu, chunks, slabs[len(chunks):2 * len(chunks)] or chunks)
     for ptr in registered:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     return {"mode": mode, "gib": n * slab / 2**30, "pin_s": pin_s, "pin_gbps": n * slab / pin_s / 1e9,
@@ -70,30 +70,30 @@ def one_mode(mode: str, gib: float, slab_mib: int) -> dict:
             "duplex_gbps": both}
 
 
-def duplex(torch, gpu, sources, targets) -> list:
+def duplex(gpu, sources, targets) -> list:
     """GB/s each way with uploads (``sources`` -> first half of ``gpu``) and downloads (second half
     -> ``targets``) running at once on two streams, three times (an offloaded step moves its state
     both ways at once)."""
+    import torch
     half = gpu.numel() // 2
-    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    pairs = [(gpu[:half], sources, True), (gpu[half:], targets, False)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     out = []
     for _ in range(3):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        moved = [0, 0]
-        for stream, pairs, k in ((up, sources, 0), (down, targets, 1)):
+        moved = []
+        for stream, (device_half, hosts, upload) in zip(streams, pairs):
+            off = 0
             with torch.cuda.stream(stream):
-                off = 0
-                for c in pairs:
+                for c in hosts:
                     n = min(c.numel(), half - off)
                     if n <= 0:
                         break
-                    if k == 0:
-                        gpu[off:off + n].copy_(c[:n], non_blocking=True)
-                    else:
-                        c[:n].copy_(gpu[half + off:half + off + n], non_blocking=True)
+                    dst, src = (device_half[off:off + n], c[:n]) if upload else (c[:n], device_half[off:off + n])
+                    dst.copy_(src, non_blocking=True)
                     off += n
-                moved[k] = off
+            moved.append(off)
         torch.cuda.synchronize()
         out.append(min(moved) / (time.perf_counter() - t0) / 1e9)
     return out

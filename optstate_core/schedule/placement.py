@@ -109,15 +109,15 @@ def spread_residency(needs: List[int], room: int, even: bool = True) -> List[boo
     total = sum(needs)
     if total <= room:
         return [True] * len(needs)
-    share = max(room, 0) / total if total and even else 0.0
-    keep, credit = [], 0.0
-    for need in needs:
-        credit += need * share
-        stays = even and need <= room and credit >= need / 2
-        if stays:
-            credit -= need
-            room -= need
-        keep.append(stays)
+    keep = [False] * len(needs)
+    if even:
+        share, credit = max(room, 0) / total, 0.0
+        for i, need in enumerate(needs):
+            credit += need * share
+            if need <= room and credit >= need / 2:
+                keep[i] = True
+                credit -= need
+                room -= need
     for i, need in enumerate(needs):  # what rounding left over
         if not keep[i] and need <= room:
             keep[i] = True

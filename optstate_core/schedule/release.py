@@ -170,9 +170,9 @@ class GradientRelease:
         """Upload the offloaded state of the next :func:`stage_ahead` batches expected (read when the
         optimizer was built; the previous step's batches at the positions after this one; at the
         end of a step, the next step's first) while backward, or the next forward, computes: their
-        updates then find the state on the device. Batches whose state is all resident (a
-        ``gpu_budget`` keeps the first ones in backward order) are passed over, not counted: the
-        next streamed batches upload behind the forward and the resident updates. The device holds
+        updates then find the state on the device. Batches whose state is all resident (under a
+        ``gpu_budget``) are passed over, not counted: the next streamed batches upload behind the
+        forward and the resident updates. The device holds
         at most that many + 1 batches' staged state. Returns whether anything was staged."""
         staged = False
         end, found = len(self._order), 0
