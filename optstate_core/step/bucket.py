@@ -110,8 +110,10 @@ class Bucket:
         """Point the launch's state tables at these addresses: per state, each item's main payload
         and scales (0: none), for staged copies that have no views (stage_plan.staged_pointers)."""
         device = self.params[0].device
-        for k, (mains, scales) in pointers.items():
-            self._tables[k] = (launch.cached_table(mains, device), launch.cached_table(scales, device))
+        keys = list(pointers)
+        tables = launch.cached_tables([values for k in keys for values in pointers[k]], device)  # one copy
+        for j, k in enumerate(keys):
+            self._tables[k] = (tables[2 * j], tables[2 * j + 1])
 
     def piece_bytes(self, piece) -> int:
         """Staged bytes of a piece: its host states' rows, each payload padded to 16 bytes."""

@@ -208,8 +208,6 @@ class KernelLauncher:
                               launch.cached_table(bucket.bases, device),
                               all(b + r * c < 2**32 for b, r, c in zip(bucket.bases, bucket.rows, bucket.cols)))
         (cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog), SEEDS, BASE, idx32 = memo[memo_key]
-        P = launch.cached_table(bucket.param_pointers(), device)
-        G = launch.cached_table(bucket.grad_pointers(), device)
         STEP = self.step_count(device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
         parent_flags = flags
@@ -225,8 +223,10 @@ class KernelLauncher:
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
         factors = self._factors  # gradient release's clip factors, applied as the gradients are read
-        GS = launch.cached_table([f.data_ptr() + 4 * i for f, i in (factors[id(k)] for k in bucket.keys)]
-                                 if factors is not None else [_one(device).data_ptr()] * n, device)
+        # parameters, gradients (new every step, maybe) and clip factors: one table, one copy when any moved
+        P, G, GS = launch.cached_tables((bucket.param_pointers(), bucket.grad_pointers(),
+                                         [f.data_ptr() + 4 * i for f, i in (factors[id(k)] for k in bucket.keys)]
+                                         if factors is not None else [_one(device).data_ptr()] * n), device)
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
             V, VS = bucket.tables(1, device)

@@ -176,3 +176,24 @@ def check_twin(codec, xs, nonnegative, clean=False):
                              KIND=kind, SIGNED=signed, NBLK=NBLK, POW=power, CLEAN=clean)
     for ref, got in zip(refs, decoded):
         torch.testing.assert_close(got, ref.decode(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_cached_tables_are_aligned_views_of_one_table_copied_once(monkeypatch):
+    """A launch's changing tables (gradients, clip factors, a staged slab's states) share one
+    device table: each sub-table holds its values, starts at a 16-byte boundary (Triton
+    specializes pointer arguments on it), and the same values reuse the table without a copy."""
+    launch.clear_caches()
+    copies = []
+    real = launch.device_table
+    monkeypatch.setattr(launch, "device_table", lambda values, device, **kw: copies.append(list(values))
+                        or real(values, device, **kw))
+    lists = ([11, 12, 13], [21], [31, 32])
+    tables = launch.cached_tables(lists, torch.device("cpu"))
+    assert [t.tolist() for t in tables] == [list(v) for v in lists]
+    assert all(t.data_ptr() % 16 == 0 for t in tables)
+    assert len({t.untyped_storage().data_ptr() for t in tables}) == 1 and len(copies) == 1
+    again = launch.cached_tables(lists, torch.device("cpu"))
+    assert len(copies) == 1 and again[2].data_ptr() == tables[2].data_ptr()
+    launch.cached_tables(([11, 12, 13], [22], [31, 32]), torch.device("cpu"))  # one address moved: one copy
+    assert len(copies) == 2
+    launch.clear_caches()

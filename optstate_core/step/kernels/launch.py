@@ -30,10 +30,9 @@ def slab(shape) -> Tuple[int, int]:
 
 def device_table(values: Sequence[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """A small integer table on ``device`` (async copy from pinned memory on CUDA)."""
-    host = torch.tensor(list(values), dtype=dtype)
     if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+        return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(list(values), dtype=dtype).to(device)
 
 
 def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
@@ -76,6 +75,24 @@ def cached_table(values: Sequence[int], device: torch.device) -> torch.Tensor:
             _TABLE_CACHE.clear()
         table = _TABLE_CACHE[key] = device_table(values, device)
     return table
+
+
+#: sub-tables of :func:`cached_tables` start at multiples of this many entries (16 bytes: the
+#: alignment Triton specializes pointer arguments on, so a view launches the same compiled kernel)
+TABLE_ALIGN = 2
+
+
+def cached_tables(lists: Sequence[Sequence[int]], device: torch.device) -> List[torch.Tensor]:
+    """Several int64 tables as views of one cached device table: tables that change together
+    (a launch's gradient addresses and clip factors, a staged slab's state addresses) cost one
+    host-to-device copy per change instead of one each."""
+    flat, starts = [], []
+    for values in lists:
+        starts.append(len(flat))
+        flat.extend(values)
+        flat.extend([0] * (-len(flat) % TABLE_ALIGN))
+    table = cached_table(flat, device)
+    return [table[s:s + len(values)] for s, values in zip(starts, lists)]
 
 
 def clear_caches() -> None:
