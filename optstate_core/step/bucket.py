@@ -45,6 +45,7 @@ class Bucket:
         self.whole = self._is_whole()
         self._tables = {}
         self._param_index = None
+        self.parent_order = False  # a piece bucket whose item t is the parent's parameter t
 
     def param_pointers(self):
         """Addresses of the items' parameter rows (read each launch: ``p.data`` may be replaced)."""
@@ -87,6 +88,7 @@ class Bucket:
         sub.storages = storages
         sub._tables = {}
         sub._param_index = [i for i, _, _ in pieces]
+        sub.parent_order = sub._param_index == list(range(len(self.params)))
         return sub
 
     def host_states(self, master_only: bool = False):

@@ -211,7 +211,10 @@ class KernelLauncher:
         STEP = self.step_count(device)
         aligned, check = bucket.aligned, engine.skip_nonfinite
         parent_flags = flags
-        flags = self.new_flags(bucket) if check else _dummy(device, torch.int32)
+        # a piece bucket over the parent's parameters in its order raises the parent's flags itself
+        # (the kernels only ever store 1: the same as the scatter's maximum of fresh flags)
+        direct = check and parent_flags is not None and bucket.parent_order
+        flags = parent_flags if direct else self.new_flags(bucket) if check else _dummy(device, torch.int32)
         p_kind = P_KINDS[params[0].dtype]
         lr = group["lr"]
         lr_tensor = isinstance(lr, torch.Tensor)
@@ -279,7 +282,9 @@ class KernelLauncher:
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
                 NESTEROV=bool(group["nesterov"]), **common)
-        if check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
+        if direct:
+            pass  # the parent's flags, counted by the caller
+        elif check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
             parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
         elif check:
             self.count_skipped(flags)

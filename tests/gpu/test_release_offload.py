@@ -9,7 +9,7 @@ import torch
 import optstate_core as oc
 from helpers import steps_without_host_sync
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CASES = [("8bit", {}), ("bf16w-4bit-lean", {}), ("bf16w-4bit-lean-hostcorr", {}),
          ("bf16w-4bit-lean-offload", {}), ("bf16w-4bit-lean", {"gpu_budget": 2 * 2**20})]
@@ -58,3 +58,27 @@ def test_released_backward_over_offloaded_state_never_syncs():
                   max_grad_norm=1.0, release_bucket_bytes=256 * 1024, staging_bytes="4MB")
     steps_without_host_sync(model, opt, torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
     assert opt.last_step_timings["fused_params"] == 0 and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset,options", CASES[3:], ids=["offload", "budget"])
+def test_nan_gradient_over_staged_state_skips_and_counts_its_parameter(preset, options):
+    """A NaN gradient in one step of a released backward over streamed (staged) state: its
+    parameter is counted once and skipped as without release, bit for bit (the staged launches
+    raise the batch's own flags)."""
+    runs = []
+    for release in (False, True):
+        model = _model()
+        oc.cast_model(model)
+        calls = []
+        model[3].weight.register_hook(lambda g: g.fill_(float("nan")) if calls.append(1) or len(calls) == 2 else g)
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, release_gradients=release,
+                      max_grad_norm=None, staging_bytes="4MB", **options,
+                      **({"release_bucket_bytes": 256 * 1024} if release else {}))
+        g = torch.Generator("cuda").manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, generator=g)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], opt.memory_report()["nonfinite_skipped"]))
+    assert runs[0][1] == runs[1][1] == 1
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
