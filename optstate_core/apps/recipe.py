@@ -31,6 +31,7 @@ log = logging.getLogger("optstate.plan")
 BUDGET = f"{BUDGET_PRESET} + gpu_budget"  # the candidate that keeps state resident up to a budget
 #: candidates in order of preference: the least state in host memory first
 CANDIDATES = ("bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr", BUDGET, "bf16w-4bit-lean-offload")
+PLANNED = tuple(c for c in CANDIDATES if c != BUDGET)  # the presets a plan gets (it adds the budget row)
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 TIE = 0.01  # expected tokens/s within 1% of each other: the candidate moving fewer bytes over PCIe wins
 DEFAULT_SEQ = 2048
@@ -111,8 +112,7 @@ def recipe(config: dict, gpu_memory: int, seq: int = DEFAULT_SEQ, tflops: float 
     shapes = config_shapes(config)
     text = config["text_config"] if "text_config" in config and "hidden_size" not in config else config
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
-    presets = [p for p in CANDIDATES if p != BUDGET]
-    _, first = _plan(shapes, config, gpu_memory, 1, seq, True, presets, pcie_bytes_per_s)
+    _, first = _plan(shapes, config, gpu_memory, 1, seq, True, PLANNED, pcie_bytes_per_s)
     out = Recipe(gpu_memory, seq, tflops, first.n_params, hidden, vocab, pcie_bytes_per_s, None, [], first,
                  gpu_text or f"{gpu_memory / 1e9:g}GB")
     best, best_key = out, None
@@ -140,14 +140,14 @@ def preset_for(config: dict, gpu_memory: int, micro_batch: int, seq: int = DEFAU
     check_recipe_args(seq, DEFAULT_TFLOPS)
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
-    _, p = _plan(config_shapes(config), config, gpu_memory, micro_batch, seq, fused_loss,
-                 [c for c in CANDIDATES if c != BUDGET], pcie_bytes_per_s)
+    _, p = _plan(config_shapes(config), config, gpu_memory, micro_batch, seq, fused_loss, PLANNED,
+                 pcie_bytes_per_s)
     fitting = [(row.pcie_bytes, i, row) for i, row in enumerate(candidate_row(p, c) for c in CANDIDATES)
                if row is not None and row.fits]
     if not fitting:
         return None, None
     _, i, row = min(fitting, key=lambda f: f[:2])
-    return CANDIDATES[i].split(" + ")[0], row.gpu_budget
+    return _presets_of(CANDIDATES[i])[0], row.gpu_budget
 
 
 def _micro_batches(shapes, config, gpu_memory, seq, candidate, pcie_bytes_per_s) -> List[MicroBatch]:

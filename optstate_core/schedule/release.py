@@ -172,8 +172,8 @@ class GradientRelease:
         end of a step, the next step's first) while backward, or the next forward, computes: their
         updates then find the state on the device. Batches whose state is all resident (under a
         ``gpu_budget``) are passed over, not counted: the next streamed batches upload behind the
-        forward and the resident updates. The device holds
-        at most that many + 1 batches' staged state. Returns whether anything was staged."""
+        forward and the resident updates. The device holds at most that many + 1 batches' staged
+        state. Returns whether anything was staged."""
         staged = False
         end, found = len(self._order), 0
         while end < len(self._last_order) and found < self._ahead:

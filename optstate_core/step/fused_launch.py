@@ -282,12 +282,10 @@ class KernelLauncher:
                 *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
                 NESTEROV=bool(group["nesterov"]), **common)
-        if direct:
-            pass  # the parent's flags, counted by the caller
-        elif check and parent_flags is not None:  # a streamed piece: raise its parameter's flag
-            parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
-        elif check:
+        if check and parent_flags is None:
             self.count_skipped(flags)
+        elif check and not direct:  # a streamed piece: raise its parameter's flag (the caller counts them)
+            parent_flags.scatter_reduce_(0, bucket.param_index(device), flags, "amax")
         bucket.first = False if advance else bucket.first
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1

@@ -30,9 +30,8 @@ def slab(shape) -> Tuple[int, int]:
 
 def device_table(values: Sequence[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """A small integer table on ``device`` (async copy from pinned memory on CUDA)."""
-    if device.type == "cuda":
-        return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(list(values), dtype=dtype).to(device)
+    cuda = device.type == "cuda"
+    return torch.tensor(list(values), dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 def work_tables(shapes: List[tuple], nblk: int, device: torch.device):
