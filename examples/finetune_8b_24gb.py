@@ -40,7 +40,8 @@ step s, s/step: the mean over the steps after the first 2, timed as one window s
 the peak of the steps after the first alone: under FSDP2 the whole peak includes building the
 model on every GPU before it is sharded),
 first and last loss); ``--json PATH`` appends the same fields as a JSON line (and the pinned host
-memory the run asked for, with the seconds it took). ``--repeats N`` runs N times in one process;
+memory the run asked for, with the seconds the training thread spent pinning or waiting for it: the
+state is pinned on a thread from wrap() on, see ``optstate_core/schedule/pin_ahead.py``). ``--repeats N`` runs N times in one process;
 ``--against-resident`` alternates each run with the resident baseline on the whole card and prints
 both medians and their ratio (the JSON gets a last ``"role": "summary"`` line).
 

@@ -8,6 +8,7 @@ import torch
 
 from .state import checkpoint, master_weights
 from . import metrics
+from .schedule import pin_ahead
 from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
@@ -218,6 +219,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
             engine.state.update({p: (ParamState(s) if isinstance(p, torch.Tensor) else s) for p, s in existing.items()})
             with torch.no_grad():
                 engine.conform()
+        else:  # offloaded state's pinned memory: pinned on a thread while the first forward runs
+            pin_ahead.start(engine)
 
     # -- torch.optim.Optimizer API -------------------------------------------------------------
     def step(self, closure: Optional[Callable[[], float]] = None):

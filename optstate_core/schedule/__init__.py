@@ -7,6 +7,7 @@
 * ``prefetch.py``, ``stage_plan.py``, ``transfer.py``
                        the prefetch area, staging layouts, copy streams and the staging ring
 * ``placement.py``     codec and tier per state (the policy's answer, FSDP2 limits, the budget)
+* ``pin_ahead.py``     the first step's pinned host memory, predicted at wrap() and pinned on a thread
 * ``conform.py``, ``follow.py``
                        re-storing state in the wanted form, and state that follows parameters
                        moved or recast after wrapping

@@ -156,6 +156,8 @@ class Engine:
         self.kernels.end_step()  # the device's step count (rounding stream) first
         self.step_count += 1
         self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
+        if self.pinned.ahead is not None:  # the first step is over: what it did not ask for goes
+            self.pinned.end_ahead()
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
 
     def _whole_step(self):

@@ -14,10 +14,12 @@ hands out aligned views of them (a larger request gets an allocation of its own)
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 import time
-from typing import Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,14 +27,16 @@ log = logging.getLogger("optstate.pinned")
 
 SLAB_BYTES = 0  # one allocation per request (see above); 2**28 shares 256 MiB slabs
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
-_TOTALS = {"bytes": 0, "seconds": 0.0}  # every arena of this process: bytes asked for, seconds spent asking
+# every arena of this process: bytes pinned, seconds the asking threads spent pinning or waiting for
+# pinned memory, seconds spent in pinning calls on any thread (the pin-ahead thread's included)
+_TOTALS = {"bytes": 0, "seconds": 0.0, "pinning_seconds": 0.0}
 FAST_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 _HINTED = []  # the slow-pinning hint is logged once per process
 
 
 def _hint_if_slow() -> None:
     """Once: where pinning runs under 3 GB/s over 4 GiB, name the allocator setting that speeds it up."""
-    nbytes, seconds = _TOTALS["bytes"], _TOTALS["seconds"]
+    nbytes, seconds = _TOTALS["bytes"], _TOTALS["pinning_seconds"]
     if _HINTED or nbytes < 4 * 2**30 or nbytes / max(seconds, 1e-9) >= 3e9:
         return
     if "host_register" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", ""):
@@ -44,8 +48,104 @@ def _hint_if_slow() -> None:
 
 
 def pinning_totals() -> Tuple[int, float]:
-    """(bytes, seconds): what every arena of this process has asked of torch's pinned allocator so far."""
+    """(bytes, seconds): what every arena of this process has pinned so far, and the seconds the
+    threads that asked for it spent pinning or waiting (pinned ahead and ready: none)."""
     return _TOTALS["bytes"], _TOTALS["seconds"]
+
+
+def padded_bytes(numel: int, dtype: torch.dtype) -> int:
+    """The bytes an arena allocates for ``numel`` elements of ``dtype``: 16-byte padded, at least 16."""
+    nbytes = max(int(numel) * dtype.itemsize, 1)
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _pin(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of (pinned) host memory, its seconds added to the process's pinning time."""
+    t0 = time.perf_counter()
+    out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    _TOTALS["pinning_seconds"] += time.perf_counter() - t0
+    return out
+
+
+class PinAhead:
+    """Allocations of predicted byte sizes, pinned in order on a background thread.
+
+    :meth:`take` hands over one of the asked size: ready, or the one being pinned now (it waits
+    for it), or None when none is left to pin (one planned but not started is struck off: the
+    caller pins it itself, beside the thread). :meth:`close` stops the thread and drops what was
+    not taken. torch's pinning calls release the GIL, so the thread runs beside the caller's work.
+    """
+
+    def __init__(self, sizes: Sequence[int], pin: bool = True, device: Optional[torch.device] = None):
+        self.pin = pin
+        self.device = device  # a CUDA device: the thread's current one (no context made on another)
+        self._pending = collections.deque(int(n) for n in sizes)
+        self.planned = len(self._pending)
+        self._ready: Dict[int, List[torch.Tensor]] = {}
+        self._busy: Optional[int] = None  # the size being pinned now
+        self._cv = threading.Condition()
+        self._closed = False
+        self.pinned_bytes = 0  # pinned by the thread so far
+        self.taken = 0  # allocations handed over
+        self.error: Optional[BaseException] = None  # the thread's failure (the caller pins for itself)
+        self._thread = threading.Thread(target=self._run, name="optstate-pin-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                if self._closed or not self._pending:
+                    self._busy = None
+                    self._cv.notify_all()
+                    return
+                n = self._busy = self._pending.popleft()
+            try:
+                out = _pin(n, self.pin)
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller, which pins for itself
+                with self._cv:
+                    self.error, self._busy = exc, None
+                    self._pending.clear()
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._busy = None
+                if not self._closed:
+                    self._ready.setdefault(n, []).append(out)
+                    self.pinned_bytes += n
+                self._cv.notify_all()
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """One allocation of ``nbytes`` pinned ahead, or None (the caller pins it itself)."""
+        with self._cv:
+            while True:
+                ready = self._ready.get(nbytes)
+                if ready:
+                    self.taken += 1
+                    return ready.pop()
+                if self._busy != nbytes:
+                    break
+                self._cv.wait()
+            try:
+                self._pending.remove(nbytes)
+            except ValueError:
+                pass
+            return None
+
+    def close(self) -> int:
+        """Stop pinning; drop what was not taken. Returns the bytes dropped."""
+        with self._cv:
+            self._closed = True
+            self._pending.clear()
+            dropped = sum(n * len(v) for n, v in self._ready.items())
+            self._ready.clear()
+        self._thread.join()
+        return dropped
+
+    def wait(self) -> None:
+        """Until the thread has pinned everything planned (tests and benchmarks)."""
+        self._thread.join()
 
 
 class PinnedArena:
@@ -59,20 +159,44 @@ class PinnedArena:
         self._slab = None  # the slab being filled
         self._used = 0
         self.slabs_allocated = 0  # slabs asked for so far (oversized requests included)
+        self.ahead: Optional[PinAhead] = None  # allocations pinned ahead of the first step
 
     def _bytes(self, nbytes: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        out = self.ahead.take(nbytes) if self.ahead is not None else None
+        if out is None:
+            out = _pin(nbytes, self.pin)
         _TOTALS["bytes"] += nbytes
         _TOTALS["seconds"] += time.perf_counter() - t0
         if self.pin:
             _hint_if_slow()
         return out
 
+    def pin_ahead(self, sizes: Sequence[int], device: Optional[torch.device] = None) -> Optional[PinAhead]:
+        """Start pinning allocations of these byte sizes (see :class:`PinAhead`; ``device``: the
+        CUDA device they are for); requests of those sizes are then served from them. Only with
+        one allocation per request."""
+        self.end_ahead()
+        if sizes and not self.slab_bytes:
+            self.ahead = PinAhead(sizes, self.pin, device)
+        return self.ahead
+
+    def end_ahead(self) -> None:
+        """Stop pinning ahead and drop what was not asked for (logged)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        dropped = ahead.close()
+        if ahead.error is not None:
+            log.warning("optstate: pinning offloaded state ahead failed (%s); it was pinned when asked for", ahead.error)
+        if dropped and self.pin and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # torch's allocator would keep the unused blocks cached
+        log.debug("pinned ahead: %d allocations used, %.2f GiB unused dropped", ahead.taken, dropped / 2**30)
+
     def take(self, numel: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
         """An uninitialised ``shape`` tensor of ``dtype`` (``numel`` elements) in pinned memory."""
         nbytes = max(int(numel) * dtype.itemsize, 1)
-        padded = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        padded = padded_bytes(numel, dtype)
         if padded > self.slab_bytes:  # a slab of its own, of its exact size
             self.slabs_allocated += 1
             return self._bytes(padded)[:nbytes].view(dtype)[:numel].view(shape)
@@ -83,6 +207,11 @@ class PinnedArena:
         self._used += padded
         return view.view(dtype)[:numel].view(shape)
 
+    def __getstate__(self):
+        """Copies and pickles do not pin ahead (the thread and its allocations stay with the original)."""
+        return {**self.__dict__, "ahead": None}
+
     def close(self) -> None:
-        """Forget the slab being filled (views alive keep their slabs)."""
+        """Forget the slab being filled (views alive keep their slabs) and what was pinned ahead."""
         self._slab, self._used = None, 0
+        self.end_ahead()

@@ -65,6 +65,11 @@ def allocate(codec: Codec, shape, dtype: torch.dtype, device: torch.device, host
     return allocate_many(codec, [shape], dtype, device, host, pin_memory, arena)[0]
 
 
+def payload_layout_of(codec: Codec, shape, dtype: torch.dtype) -> dict:
+    """The payload layout ``{name: (shape, dtype, column divisor)}`` of a ``shape`` state of ``dtype`` in ``codec``."""
+    return codec.payload_layout(*EncodedTensor(codec, {}, shape, dtype).slab, dtype)
+
+
 def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device, host: bool,
                   pin_memory: bool, arena: Optional[PinnedArena] = None) -> list:
     """Storage for several states of one codec, carved from one buffer per payload key; pinned
@@ -80,7 +85,7 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
     if codec.lossless and not host:
         layouts = [{"data": ((math.prod(sh),), dtype, 1)} for sh in shapes]
     else:
-        layouts = [codec.payload_layout(*EncodedTensor(codec, {}, sh, dtype).slab, dtype) for sh in shapes]
+        layouts = [payload_layout_of(codec, sh, dtype) for sh in shapes]
     views = [dict() for _ in shapes]
     pinned = host and pin_memory
     if pinned and arena is None:
@@ -119,5 +124,5 @@ def state_nbytes(value) -> int:
     return 0
 
 
-__all__ = ["ParamState", "StateMap", "is_scalar_state", "keeps_own_shape", "copy_scalar", "matches", "allocate", "allocate_many",
+__all__ = ["ParamState", "StateMap", "is_scalar_state", "keeps_own_shape", "copy_scalar", "matches", "allocate", "allocate_many", "payload_layout_of",
            "state_nbytes"]

@@ -11,6 +11,7 @@ decides when.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Dict, List, Optional, Tuple
 
@@ -66,9 +67,19 @@ class FusedPath:
         self.engine = engine
         self.mode = mode
         self._logged = set()
+        self._quiet = False
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Plans made inside log no fallback (a prediction, not a step)."""
+        saved, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = saved
 
     def _fallback(self, reason: str) -> None:
-        if reason not in self._logged:
+        if reason not in self._logged and not self._quiet:
             self._logged.add(reason)
             log.info("optstate: reference path (not the fused kernel) because %s", reason)
         return None

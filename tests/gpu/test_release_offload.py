@@ -82,3 +82,33 @@ def test_nan_gradient_over_staged_state_skips_and_counts_its_parameter(preset, o
         runs.append(([p.detach().clone() for p in model.parameters()], opt.memory_report()["nonfinite_skipped"]))
     assert runs[0][1] == runs[1][1] == 1
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+
+
+@pytest.mark.parametrize("preset,options", CASES[3:], ids=["offload", "budget"])
+def test_first_step_takes_its_pinned_state_from_the_thread_that_pinned_it_ahead(preset, options, monkeypatch):
+    """wrap() pins the first step's host state on a thread (schedule/pin_ahead.py): the step takes
+    every allocation from it, in pinned memory, and trains bit for bit as when it pins for itself."""
+    from optstate_core.schedule import pin_ahead
+    out = []
+    for ahead in ("1", "0"):
+        monkeypatch.setenv(pin_ahead.ENV, ahead)
+        model = _model()
+        oc.cast_model(model)
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, release_gradients=True,
+                      max_grad_norm=1.0, staging_bytes="4MB", **options)
+        pool = opt._engine.pinned.ahead
+        assert (pool is not None) == (ahead == "1")
+        g = torch.Generator("cuda").manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, generator=g)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt._engine.pinned.ahead is None
+        if pool is not None:
+            assert pool.error is None and pool.planned > 0 and pool.taken == pool.planned
+        hosted = [t for st in opt.state.values() for v in st.values() if getattr(v, "host_tier", False)
+                  for t in v.payload.values()]
+        assert hosted and all(t.is_pinned() for t in hosted)
+        out.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*out):
+        assert torch.equal(p, q)

@@ -1,0 +1,89 @@
+"""Pin the first step's offloaded state ahead: its sizes predicted at wrap(), pinned on a thread.
+
+An offloaded preset pins all its host-tier state in the first step (12.7 GiB for Llama-3-8B under
+a 24 GB cap: 2.3-3.9 s of that step, BENCHMARKS.md section 30). The sizes are known before it:
+each parameter's plan on the fused path (its codecs, and which of its states live on the host
+under the GPU budget) gives the pinned arena's requests. So wrap() starts a thread that pins them
+in the order backward asks for them (the parameters in reverse), and the first step takes them as
+they come (:class:`~optstate_core.state.pinned.PinAhead`); whatever it did not ask for is dropped
+when it ends. ``OPTSTATE_PIN_AHEAD=0`` turns this off.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import List
+
+import torch
+
+from ..state.dtensor import is_dtensor
+from ..state.pinned import padded_bytes
+from ..state.store import payload_layout_of
+from ..step.work import Work
+
+log = logging.getLogger("optstate")
+
+ENV = "OPTSTATE_PIN_AHEAD"
+
+
+def enabled() -> bool:
+    """``OPTSTATE_PIN_AHEAD``: 1 (default) or 0; anything else fails at wrap()."""
+    value = os.environ.get(ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def first_step_requests(engine) -> List[int]:
+    """The byte sizes the first step will ask the engine's pinned arena for, parameters in reverse
+    order (backward's). Empty once any state exists, under a GPU budget given as a fraction (it is
+    resolved against the free memory of the first step), with shared slabs, or for DTensors."""
+    placement = engine.placement
+    if engine.step_count or len(engine.state) or isinstance(placement.gpu_budget, float) or engine.pinned.slab_bytes:
+        return []
+    infos = list(engine.param_infos())
+    if any(is_dtensor(p) for p, _ in infos):
+        return []
+    release = getattr(getattr(engine, "gradient_release", None), "release", False)
+    works = []
+    for p, info in infos:
+        w = Work(p, info, {})
+        w.grad = w.param  # a stand-in of the gradient's dtype, shape and layout: read, never written
+        works.append(w)
+    saved = placement.resident
+    try:
+        if placement.gpu_budget is not None and saved is None:  # as the first step assigns it
+            placement.assign_residency(works if release else [w for w in works if w.key.requires_grad],
+                                       engine.step_count)
+        with engine.fused.quiet():
+            plans = [(w, engine.fused.plan(w)) for w in works if w.key.requires_grad]
+    finally:
+        placement.resident = saved
+    sizes = []
+    for w, plan in reversed(plans):
+        pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
+        if plan is None or not plan["first"] or not pin:
+            continue
+        states = [(codec, torch.float32 if codec.lossless or plan["master"] else w.param.dtype, on_host)
+                  for codec, on_host in zip(plan["codecs"], plan["host"])]
+        if plan["master"]:
+            states.append((plan["master_codec"], torch.float32, plan["host"][-1]))
+        for codec, dtype, on_host in states:
+            if on_host:
+                sizes += [padded_bytes(math.prod(shape), pdtype)
+                          for shape, pdtype, _ in payload_layout_of(codec, w.param.shape, dtype).values()]
+    return sizes
+
+
+def start(engine) -> None:
+    """At wrap(): pin the first step's requests on a thread, when there are any."""
+    if not enabled():
+        return
+    sizes = first_step_requests(engine)
+    if sizes:
+        devices = {p.device for p, _ in engine.param_infos() if p.device.type == "cuda"}
+        engine.pinned.pin_ahead(sizes, devices.pop() if len(devices) == 1 else None)
+        log.debug("pinning %d allocations (%.2f GiB) of offloaded state ahead of the first step", len(sizes),
+                  sum(sizes) / 2**30)
+

@@ -1,0 +1,134 @@
+"""Offloaded state pinned ahead of the first step (schedule/pin_ahead.py, state/pinned.py's PinAhead).
+
+wrap() predicts the pinned allocations the first step will ask for and pins them on a thread; the
+step takes them as it asks. The prediction must match what the step asks for, size for size, and
+the trajectory must not change.
+"""
+import collections
+import threading
+
+import pytest
+import torch
+
+import optstate_core as oc
+from optstate_core.schedule import pin_ahead
+from optstate_core.state import pinned
+from optstate_core.state.master_weights import cast_model
+from optstate_core.state.pinned import PinAhead, PinnedArena
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(16, 256), (300,), (4, 512), (8, 384)]
+
+
+def test_pin_ahead_hands_over_planned_sizes_and_drops_the_rest():
+    ahead = PinAhead([32, 64, 32, 48], pin=False)
+    ahead.wait()
+    assert ahead.pinned_bytes == 176
+    firsts = [ahead.take(32), ahead.take(32)]
+    assert all(t is not None and t.numel() == 32 for t in firsts) and firsts[0].data_ptr() != firsts[1].data_ptr()
+    assert ahead.take(32) is None and ahead.take(16) is None  # not planned, or all taken
+    assert ahead.take(64).numel() == 64
+    assert ahead.close() == 48 and ahead.taken == 3
+
+
+def test_take_waits_for_its_size_being_pinned_and_strikes_off_one_not_started(monkeypatch):
+    """While the thread pins 16 bytes: a 32-byte request strikes the planned 32 off (the caller pins
+    it) instead of waiting behind the 16; a 16-byte request waits for the one being pinned."""
+    gate, started = threading.Event(), threading.Event()
+    real = pinned._pin
+
+    def slow(n, pin):
+        if n == 16:
+            started.set()
+            assert gate.wait(10)
+        return real(n, pin)
+    monkeypatch.setattr(pinned, "_pin", slow)
+    ahead = PinAhead([16, 32], pin=False)
+    assert started.wait(10)
+    assert ahead.take(32) is None  # struck off: the thread will not pin it
+    threading.Timer(0.05, gate.set).start()
+    got = ahead.take(16)  # waits for the one being pinned
+    assert got is not None and got.numel() == 16
+    ahead.wait()
+    assert ahead.pinned_bytes == 16 and ahead.close() == 0
+
+
+def test_a_failing_thread_leaves_the_caller_to_pin(monkeypatch):
+    def broken(n, pin):
+        raise RuntimeError("no pinned memory")
+    monkeypatch.setattr(pinned, "_pin", broken)
+    ahead = PinAhead([16, 16], pin=False)
+    ahead.wait()
+    assert isinstance(ahead.error, RuntimeError) and ahead.take(16) is None and ahead.close() == 0
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    ps = torch.nn.ParameterList([torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(DEVICE))
+                                 for s in SHAPES])
+    cast_model(ps)
+    return list(ps)
+
+
+class RecordingArena(PinnedArena):
+    """Ordinary host memory (the suite has no CUDA); records the byte sizes the step asks for."""
+
+    def __init__(self):
+        super().__init__(pin=False)
+        self.asked = []
+
+    def _bytes(self, nbytes):
+        self.asked.append(nbytes)
+        return super()._bytes(nbytes)
+
+
+def _run(preset, ahead: bool, monkeypatch, steps=2, **options):
+    monkeypatch.setenv(pin_ahead.ENV, "1" if ahead else "0")
+    ps = _params()
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), preset, fused=True, release_gradients=True,
+                  pin_memory=True, staging_bytes="64KB", **options)
+    engine = opt._engine
+    assert (engine.pinned.ahead is not None) == ahead  # wrap() started it (with CUDA's pinned memory)
+    engine.pinned.end_ahead()
+    engine.pinned = RecordingArena()  # the suite has no CUDA: the same, in ordinary memory
+    predicted = pin_ahead.first_step_requests(engine)
+    pool = engine.pinned.pin_ahead(predicted) if ahead else None
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 + s)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
+        for p in reversed(ps):  # the post-accumulate-grad hooks, in backward order
+            engine.schedule.gradient_ready(p)
+        opt.step()
+        assert engine.pinned.ahead is None  # ended with the first step
+    return ps, opt, predicted, engine.pinned.asked, pool
+
+
+@pytest.mark.parametrize("preset,options", [("bf16w-4bit-lean-offload", {}),
+                                            ("bf16w-4bit-lean", {"gpu_budget": "24KB"})],
+                         ids=["offload", "budget"])
+def test_first_step_requests_are_what_the_first_step_pins(preset, options, monkeypatch):
+    """The prediction, size for size, is what the first step asks the arena for (a budget keeps some
+    parameters' state resident: theirs are not asked for), all served from the pool; the
+    parameters after two steps are bit for bit those without pinning ahead."""
+    ps0, _, _, _, _ = _run(preset, False, monkeypatch, **options)
+    ps1, opt, predicted, asked, pool = _run(preset, True, monkeypatch, **options)
+    assert predicted and collections.Counter(asked) == collections.Counter(predicted)
+    assert pool.taken == len(predicted) and pool.error is None
+    total = sum(p.numel() for p in ps1)
+    host = sum(p.numel() for p in ps1 if getattr(opt.state[p]["exp_avg"], "host_tier", False))
+    assert (host == total) == (preset.endswith("offload")) and host > 0
+    for p, q in zip(ps0, ps1):
+        assert torch.equal(p, q)
+
+
+def test_nothing_is_pinned_ahead_without_host_state_or_when_turned_off(monkeypatch):
+    monkeypatch.setenv(pin_ahead.ENV, "1")
+    ps = _params()
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean", fused=True, release_gradients=True,
+                  pin_memory=True)
+    assert pin_ahead.first_step_requests(opt._engine) == []  # every state resident
+    monkeypatch.setenv(pin_ahead.ENV, "2")
+    with pytest.raises(ValueError, match="OPTSTATE_PIN_AHEAD"):
+        oc.wrap(torch.optim.AdamW(_params(), lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True)
