@@ -1,6 +1,7 @@
 """examples/finetune_8b_24gb.py: each framework trains a tiny Llama on CPU with the recipe
 (bf16 weights, checkpointing, chunked loss, gradient release), the peers' baseline runs, and bad
 arguments are refused by name; on a GPU, a 0.95B model trains under a 12 GB cap."""
+import gc
 import importlib.util
 import json
 import math
@@ -163,6 +164,8 @@ def test_step_timer_times_the_first_step_alone_and_the_rest_as_one_window(monkey
         timer.begin()
         timer.end(loss=torch.tensor(float(10 - i)))
     assert timer.first_s == 5.0 and timer.window_s == pytest.approx(2.0) and timer.count == 5
+    assert gc.get_freeze_count() > 0  # the setup's objects, frozen at the first step (measure() unfreezes)
+    gc.unfreeze()
     assert timer.losses == [10.0, 9.0, 8.0, 7.0, 6.0]
     one = module.StepTimer(steps=1)  # one step: it is both the first and the window
     clock = iter([1.0, 4.0])
