@@ -11,6 +11,9 @@ to twice its offloaded state in host memory (Llama-3-70B shapes on 4 GPUs: 65 Gi
 34 GiB of state; 38.5 GiB with shared slabs). ``OPTSTATE_PINNED_SLAB_BYTES=268435456`` turns
 sharing on, for diagnosis only: a :class:`PinnedArena` then asks for slabs of exactly that size and
 hands out aligned views of them (a larger request gets an allocation of its own).
+
+Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the
+arena serves requests of those sizes from it (``schedule/pin_ahead.py`` predicts the first step's).
 """
 from __future__ import annotations
 
