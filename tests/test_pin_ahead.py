@@ -132,3 +132,61 @@ def test_nothing_is_pinned_ahead_without_host_state_or_when_turned_off(monkeypat
     monkeypatch.setenv(pin_ahead.ENV, "2")
     with pytest.raises(ValueError, match="OPTSTATE_PIN_AHEAD"):
         oc.wrap(torch.optim.AdamW(_params(), lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True)
+
+
+def _grads(ps, s):
+    g = torch.Generator().manual_seed(100 + s)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
+
+
+def test_a_copy_made_before_the_first_step_pins_for_itself(monkeypatch):
+    """deepcopy of a wrapped optimizer whose thread is pinning ahead: the copy carries no thread (it
+    pins in its first step) and trains as the original."""
+    import copy
+    monkeypatch.setenv(pin_ahead.ENV, "1")
+    ps = [p.detach().to(torch.bfloat16).requires_grad_() for p in _params()]  # bf16 built: no cast_model seed
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True,
+                  staging_bytes="64KB")
+    assert opt._engine.pinned.ahead is not None
+    qs, opt2 = copy.deepcopy((ps, opt))
+    assert opt2._engine.pinned.ahead is None
+    for a, b in ((ps, opt), (qs, opt2)):
+        a_engine = b._engine
+        a_engine.pinned.end_ahead()
+        a_engine.pinned = RecordingArena()  # no CUDA here: ordinary memory
+        _grads(a, 0)
+        b.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+
+
+def test_state_loaded_before_the_first_step_trains_as_without_pinning_ahead(monkeypatch):
+    """A checkpoint loaded between wrap() and the first step (a resumed run): whatever it allocates
+    may come from the pool, the rest is dropped after the step; the run equals one that never
+    pinned ahead."""
+    import copy
+    src = _params()
+    donor = oc.wrap(torch.optim.AdamW(src, lr=1e-2), "bf16w-4bit-lean-offload", fused=True)
+    _grads(src, 0)
+    donor.step()
+    saved = donor.state_dict()
+    out = []
+    for ahead in ("1", "0"):
+        monkeypatch.setenv(pin_ahead.ENV, ahead)
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in src]
+        opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True,
+                      staging_bytes="64KB")
+        engine = opt._engine
+        engine.pinned.end_ahead()
+        engine.pinned = RecordingArena()
+        if ahead == "1":
+            engine.pinned.pin_ahead(pin_ahead.first_step_requests(engine))
+        opt.load_state_dict(copy.deepcopy(saved))  # (as torch's, loading may adopt the tensors it is given)
+        for s in (1, 2):
+            _grads(ps, s)
+            opt.step()
+        assert engine.pinned.ahead is None and engine.step_count == 3  # one loaded, two here
+        out.append(ps)
+    for p, q in zip(*out):
+        assert torch.equal(p, q)
