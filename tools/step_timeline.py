@@ -1,8 +1,10 @@
 """A CUDA-event timeline of two training steps of examples/finetune_8b_24gb.py, without a profiler
 (which inflates an offloaded step twofold): the copies on the upload and write-back streams, each
 release batch's update on the compute stream, the forward's end; then per step the busy time of
-each stream in 20 ms bins, whether updates waited for their uploads, and how far the device ran
-behind the host (a lag near 0 through backward: the host is the bottleneck).
+each stream in 20 ms bins, whether updates waited for their uploads, how far the device ran
+behind the host (a lag near 0 through backward: the host is the bottleneck), and Python's GC
+passes inside the step (host time; a full pass over a model's objects took 0.3 s, BENCHMARKS.md
+section 31).
 
     python tools/step_timeline.py --out T.txt [--json] -- --gpu-memory 24GB --micro-batch 1 --steps 6
     python tools/step_timeline.py --summarize T.txt.json      # again from saved rows
@@ -14,6 +16,7 @@ hooks wrap the schedule's methods from outside (``Streams.on``, ``StepSchedule.r
 import argparse
 import atexit
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -23,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "integrations")]
 
-RECORDING = {"on": False, "events": []}  # (label, event, host seconds, extra)
+RECORDING = {"on": False, "events": []}  # (label, event or None (host only), host seconds, extra)
 
 
 def record(label, stream=None, extra=None):
@@ -72,6 +75,15 @@ def install(example):
         model.register_forward_hook(lambda *_: record("fwd_end"))
         return model
     example.load_model = load_model
+
+    def gc_pause(phase, info):  # a host-only row per GC pass: (generation, milliseconds)
+        if phase == "start":
+            gc_pause.t = time.perf_counter()
+        elif RECORDING["on"] and gc_pause.t is not None:
+            RECORDING["events"].append(("gc", None, gc_pause.t,
+                                        (info["generation"], (time.perf_counter() - gc_pause.t) * 1e3)))
+    gc_pause.t = None
+    gc.callbacks.append(gc_pause)
 
     timer = example.StepTimer
     begin, end = timer.begin, timer.end
@@ -123,8 +135,12 @@ def summarize(rows, bin_ms=20):
     ends = [r for r in rows if r[0] == "step_end"]
     for b, e in zip(begins, ends):
         lo, hi = b[1], e[1]
-        step = [(lab, g - lo, h - b[2], x) for lab, g, h, x in rows if b[2] <= h <= e[2]]
+        step = [(lab, g - lo, h - b[2], x) for lab, g, h, x in rows if b[2] <= h <= e[2] and g is not None]
         lines.append(f"== step {b[3]}: {hi - lo:.1f} ms on the device, {e[2] - b[2]:.1f} ms on the host")
+        passes = [x for lab, g, h, x in rows if lab == "gc" and b[2] <= h <= e[2]]
+        full = [ms for generation, ms in passes if generation == 2]
+        lines.append(f"  Python GC: {len(passes)} passes, {sum(ms for _, ms in passes):.1f} ms on the host; "
+                     f"{len(full)} full, {sum(full):.1f} ms")
         for lab, g, h, _ in step:
             if lab == "fwd_end":
                 lines.append(f"  forward ends: device {g:.1f} ms, host {h:.1f} ms")
@@ -183,8 +199,8 @@ def main(argv=None):
         if not events:
             return
         torch.cuda.synchronize()
-        t0, h0 = events[0][1], events[0][2]
-        rows = [(lab, t0.elapsed_time(e), (h - h0) * 1e3, x) for lab, e, h, x in events]
+        _, t0, h0, _ = next(ev for ev in events if ev[1] is not None)
+        rows = [(lab, t0.elapsed_time(e) if e is not None else None, (h - h0) * 1e3, x) for lab, e, h, x in events]
         if args.json:
             json.dump(rows, open(args.out + ".json", "w"))
         lines = summarize(rows)
