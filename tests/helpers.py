@@ -1,6 +1,9 @@
 """Small models and data shared by the tests (CPU, seeded, no downloads)."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
 
@@ -105,3 +108,12 @@ def steps_without_host_sync(model, opt, x, warmup: int = 3, steps: int = 2) -> N
             train_step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def load_tool(name: str):
+    """The module of ``tools/<name>.py`` (the tools are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

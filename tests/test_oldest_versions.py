@@ -1,17 +1,15 @@
 """tools/oldest_versions.py: the pins CI's oldest-versions job installs come from pyproject's floors."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("oldest_versions", ROOT / "tools" / "oldest_versions.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_tool("oldest_versions")
 
 
 def test_pins_every_framework_floor_of_pyproject():

@@ -1,15 +1,5 @@
 """tools/step_timeline.py's summary of recorded rows (the recording itself needs a GPU)."""
-import importlib.util
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("step_timeline", ROOT / "tools" / "step_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_tool
 
 
 def test_summary_of_one_step_counts_its_copies_flushes_and_gc_passes():
@@ -20,7 +10,7 @@ def test_summary_of_one_step_counts_its_copies_flushes_and_gc_passes():
             ("flush", 120.0, 110.0, None), ("h2d_begin", 125.0, 111.0, None), ("h2d_end", 140.0, 112.0, None),
             ("d2h_begin", 141.0, 113.0, None), ("d2h_end", 160.0, 114.0, None),
             ("flush", 150.0, 149.0, None), ("step_end", 200.0, 190.0, 3)]
-    lines = load().summarize(rows)
+    lines = load_tool("step_timeline").summarize(rows)
     assert lines[0] == "== step 3: 200.0 ms on the device, 190.0 ms on the host"
     assert "  Python GC: 2 passes, 291.5 ms on the host; 1 full, 290.0 ms" in lines
     assert "  forward ends: device 100.0 ms, host 50.0 ms" in lines
