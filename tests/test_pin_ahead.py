@@ -83,6 +83,23 @@ class RecordingArena(PinnedArena):
         return super()._bytes(nbytes)
 
 
+def _record(opt, ahead: bool):
+    """The suite has no CUDA: swap the engine's arena (and its failing pinned thread) for a
+    :class:`RecordingArena`, pinning the first step's predicted requests ahead with ``ahead``;
+    returns the prediction and the pool (or None)."""
+    engine = opt._engine
+    engine.pinned.end_ahead()
+    engine.pinned = RecordingArena()
+    predicted = pin_ahead.first_step_requests(engine)
+    return predicted, engine.pinned.pin_ahead(predicted) if ahead else None
+
+
+def _grads(ps, s):
+    g = torch.Generator().manual_seed(100 + s)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
+
+
 def _run(preset, ahead: bool, monkeypatch, steps=2, **options):
     monkeypatch.setenv(pin_ahead.ENV, "1" if ahead else "0")
     ps = _params()
@@ -90,14 +107,9 @@ def _run(preset, ahead: bool, monkeypatch, steps=2, **options):
                   pin_memory=True, staging_bytes="64KB", **options)
     engine = opt._engine
     assert (engine.pinned.ahead is not None) == ahead  # wrap() started it (with CUDA's pinned memory)
-    engine.pinned.end_ahead()
-    engine.pinned = RecordingArena()  # the suite has no CUDA: the same, in ordinary memory
-    predicted = pin_ahead.first_step_requests(engine)
-    pool = engine.pinned.pin_ahead(predicted) if ahead else None
+    predicted, pool = _record(opt, ahead)
     for s in range(steps):
-        g = torch.Generator().manual_seed(100 + s)
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
+        _grads(ps, s)
         for p in reversed(ps):  # the post-accumulate-grad hooks, in backward order
             engine.schedule.gradient_ready(p)
         opt.step()
@@ -134,12 +146,6 @@ def test_nothing_is_pinned_ahead_without_host_state_or_when_turned_off(monkeypat
         oc.wrap(torch.optim.AdamW(_params(), lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True)
 
 
-def _grads(ps, s):
-    g = torch.Generator().manual_seed(100 + s)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
-
-
 def test_a_copy_made_before_the_first_step_pins_for_itself(monkeypatch):
     """deepcopy of a wrapped optimizer whose thread is pinning ahead: the copy carries no thread (it
     pins in its first step) and trains as the original."""
@@ -151,12 +157,10 @@ def test_a_copy_made_before_the_first_step_pins_for_itself(monkeypatch):
     assert opt._engine.pinned.ahead is not None
     qs, opt2 = copy.deepcopy((ps, opt))
     assert opt2._engine.pinned.ahead is None
-    for a, b in ((ps, opt), (qs, opt2)):
-        a_engine = b._engine
-        a_engine.pinned.end_ahead()
-        a_engine.pinned = RecordingArena()  # no CUDA here: ordinary memory
-        _grads(a, 0)
-        b.step()
+    for params, optimizer in ((ps, opt), (qs, opt2)):
+        _record(optimizer, False)
+        _grads(params, 0)
+        optimizer.step()
     for p, q in zip(ps, qs):
         assert torch.equal(p, q)
 
@@ -178,10 +182,7 @@ def test_state_loaded_before_the_first_step_trains_as_without_pinning_ahead(monk
         opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True,
                       staging_bytes="64KB")
         engine = opt._engine
-        engine.pinned.end_ahead()
-        engine.pinned = RecordingArena()
-        if ahead == "1":
-            engine.pinned.pin_ahead(pin_ahead.first_step_requests(engine))
+        _record(opt, ahead == "1")
         opt.load_state_dict(copy.deepcopy(saved))  # (as torch's, loading may adopt the tensors it is given)
         for s in (1, 2):
             _grads(ps, s)

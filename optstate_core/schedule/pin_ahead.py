@@ -15,11 +15,10 @@ import math
 import os
 from typing import List
 
-import torch
-
 from ..state.dtensor import is_dtensor
 from ..state.pinned import padded_bytes
 from ..state.store import payload_layout_of
+from ..step.fused import first_step_states
 from ..step.work import Work
 
 log = logging.getLogger("optstate")
@@ -62,14 +61,9 @@ def first_step_requests(engine) -> List[int]:
         placement.resident = saved
     sizes = []
     for w, plan in reversed(plans):
-        pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
-        if plan is None or not plan["first"] or not pin:
+        if plan is None or not plan["first"] or not engine.fused.pins(w.param):
             continue
-        states = [(codec, torch.float32 if codec.lossless or plan["master"] else w.param.dtype, on_host)
-                  for codec, on_host in zip(plan["codecs"], plan["host"])]
-        if plan["master"]:
-            states.append((plan["master_codec"], torch.float32, plan["host"][-1]))
-        for codec, dtype, on_host in states:
+        for _, codec, dtype, on_host in first_step_states(plan, w.param.dtype):
             if on_host:
                 sizes += [padded_bytes(math.prod(shape), pdtype)
                           for shape, pdtype, _ in payload_layout_of(codec, w.param.shape, dtype).values()]

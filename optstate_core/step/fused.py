@@ -52,6 +52,17 @@ def state_kind(codec) -> Optional[int]:
     return None
 
 
+def first_step_states(plan: dict, param_dtype: torch.dtype) -> List[tuple]:
+    """``(key, codec, dtype, on host)`` of each state a plan allocates on its first step: the
+    moments (fp32 when lossless or beside master weights, else the parameter's dtype), then the
+    master-weight correction (fp32)."""
+    out = [(key, codec, torch.float32 if codec.lossless or plan["master"] else param_dtype, on_host)
+           for key, codec, on_host in zip(plan["keys"], plan["codecs"], plan["host"])]
+    if plan["master"]:
+        out.append((MASTER_KEY, plan["master_codec"], torch.float32, plan["host"][-1]))
+    return out
+
+
 def is_lion(inner) -> bool:
     """lion-pytorch's ``Lion`` with its own (torch) update function, which the Lion kernel reproduces."""
     if qualified_name(type(inner)) != "lion_pytorch.lion_pytorch.Lion":
@@ -230,28 +241,27 @@ class FusedPath:
         # the largest launch first: the device starts on the bulk of the step while the host queues the rest
         return sorted(buckets, key=lambda b: -sum(p.numel() for p in b.params))
 
+    def pins(self, param) -> bool:
+        """Whether this parameter's host-tier state is pinned (``pin_memory``; by default on CUDA)."""
+        pin_memory = self.engine.pin_memory
+        return pin_memory if pin_memory is not None else param.device.type == "cuda"
+
     def _allocate_missing(self, ws, plan) -> None:
         """First step: one allocation per state key for the whole bucket (pinned host memory
         for offloaded state)."""
-        host = plan["host"]
-        pin = self.engine.pin_memory if self.engine.pin_memory is not None else ws[0].param.device.type == "cuda"
-        for key, codec, on_host in zip(plan["keys"], plan["codecs"], host):
+        pin = self.pins(ws[0].param)
+        for key, codec, dtype, on_host in first_step_states(plan, ws[0].param.dtype):
             missing = [w for w in ws if w.state.get(key) is None]
-            if missing:
-                dtype = torch.float32 if codec.lossless or plan["master"] else missing[0].param.dtype
-                values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
-                                       host=on_host, pin_memory=on_host and pin, arena=self.engine.pinned)
-                for w, value in zip(missing, values):
-                    w.state[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
-                        else value
-        missing = [w for w in ws if plan["master"] and w.state.get(MASTER_KEY) is None]
-        if missing:  # the correction starts from what cast_model dropped, else zero
-            codec = plan["master_codec"]
-            values = allocate_many(codec, [w.param.shape for w in missing], torch.float32, missing[0].param.device,
-                                   host=host[-1], pin_memory=host[-1] and pin, arena=self.engine.pinned)
+            if not missing:
+                continue
+            values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
+                                   host=on_host, pin_memory=on_host and pin, arena=self.engine.pinned)
             for w, value in zip(missing, values):
-                self._seed_correction(w, value, codec)
-                w.state[MASTER_KEY] = value
+                if key == MASTER_KEY:  # the correction starts from what cast_model dropped, else zero
+                    self._seed_correction(w, value, codec)
+                elif isinstance(value, torch.Tensor) and is_dtensor(w.key):
+                    value = like_param(w.key, value)
+                w.state[key] = value
 
     def _seed_correction(self, w, value, codec) -> None:
         """Encode a new correction from what ``cast_model`` dropped (else zero) on the parameter's
