@@ -20,6 +20,7 @@ from .step.wrappable import check_wrappable, warn_about_checkpoint_overrides
 from .state.store import ParamState
 from .state.units import parse_bytes
 
+_SEEDS_KEY = "_optstate_master_seeds"  # in a pickled or copied wrapper's state (see __getstate__)
 log = logging.getLogger("optstate")
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -420,10 +421,20 @@ class VirtualOptimizer(torch.optim.Optimizer):
         return checkpoint.decoded_param_state(self._engine.state.get(param, {}), param.device, param)
 
     def __getstate__(self):
-        return dict(self.__dict__)  # the whole wrapper (torch's keeps only defaults, state and groups)
+        # the whole wrapper (torch's keeps only defaults, state and groups), and cast_model's
+        # remainders of parameters not stepped yet: a copy's parameters are new objects
+        seeds = master_weights.seeds_by_index(self._all_params())
+        return {**self.__dict__, **({_SEEDS_KEY: seeds} if seeds else {})}
 
     def __setstate__(self, state):
+        state = dict(state)
+        seeds = state.pop(_SEEDS_KEY, None)
         super().__setstate__(state)
+        if seeds:
+            master_weights.restore_seeds(self._all_params(), seeds)
+
+    def _all_params(self) -> list:
+        return [p for g in self._engine.inner.param_groups for p in g["params"]]
 
     def __repr__(self) -> str:
         return f"VirtualOptimizer({self._engine.inner!r}, policy={self._engine.policy.describe()})"

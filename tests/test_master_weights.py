@@ -300,3 +300,29 @@ def test_plan_and_memory_report_count_weights_correction_and_gradients(preset):
                                               release_bucket_bytes=0).rows}
     assert rows[preset].grads == 2 * 300 * 700  # one update per gradient: the largest one alive
     assert rows[preset].total_gpu == 2 * n + 2 * 300 * 700 + expected.device
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_a_copy_or_pickle_made_before_the_first_step_keeps_the_cast_remainder(fused):
+    """cast_model's dropped bits are kept per parameter object; a deepcopy or pickle of model and
+    optimizer made before the first step has new parameter objects and must still start from the
+    exact fp32 values: it trains bit for bit as the original (and unlike a run without them)."""
+    import pickle
+    if fused:
+        pytest.importorskip("triton")
+    model = _model()
+    cast_model(model)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16w-8bit", fused=fused)
+    copied = copy.deepcopy((model, opt))
+    pickled = pickle.loads(pickle.dumps((model, opt)))
+    bare = copy.deepcopy(model)  # the same bf16 values, no remainder remembered for its parameters
+    bare_opt = oc.wrap(torch.optim.AdamW(bare.parameters(), lr=1e-3), "bf16w-8bit", fused=fused)
+    for m, o in ((model, opt), copied, pickled, (bare, bare_opt)):
+        _train(m, o, 2)
+    def masters(m, o):
+        return [join(p.detach(), o.state[p][MASTER_KEY].decode()) for p in m.parameters()]
+
+    for m, o in (copied, pickled):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), m.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(masters(model, opt), masters(m, o)))
+    assert any(not torch.equal(a, b) for a, b in zip(masters(model, opt), masters(bare, bare_opt)))

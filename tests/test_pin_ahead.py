@@ -151,7 +151,7 @@ def test_a_copy_made_before_the_first_step_pins_for_itself(monkeypatch):
     pins in its first step) and trains as the original."""
     import copy
     monkeypatch.setenv(pin_ahead.ENV, "1")
-    ps = [p.detach().to(torch.bfloat16).requires_grad_() for p in _params()]  # bf16 built: no cast_model seed
+    ps = _params()  # cast_model's remainders go with the copy (test_master_weights)
     opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True,
                   staging_bytes="64KB")
     assert opt._engine.pinned.ahead is not None

@@ -121,6 +121,19 @@ def forget_seed(param: torch.Tensor) -> None:
     _SEEDS.pop(param, None)
 
 
+def seeds_by_index(params) -> Dict[int, torch.Tensor]:
+    """The remembered corrections of ``params`` by position (what a copy or pickle of an optimizer
+    carries: its parameters are new objects, so :func:`restore_seeds` re-keys them)."""
+    return {i: _SEEDS[p] for i, p in enumerate(params) if p in _SEEDS}
+
+
+def restore_seeds(params, seeds: Dict[int, torch.Tensor]) -> None:
+    """Remember ``seeds`` (from :func:`seeds_by_index`) for the parameters at those positions."""
+    for i, p in enumerate(params):
+        if i in seeds:
+            _SEEDS[p] = seeds[i]
+
+
 def set_seed(param: torch.Tensor, master: torch.Tensor) -> None:
     """Make ``master`` (fp32) the parameter's master: the bf16 part goes into the parameter now,
     the rest is picked up by the optimizer at its next step."""
