@@ -302,6 +302,17 @@ def clips_itself(args) -> bool:
 
 
 # -- timing ---------------------------------------------------------------------------------------------
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's event counters (a retry frees cached blocks after a synchronisation)."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats(device())
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
+
+
 class StepTimer:
     """Wall time as a training loop sees it: the first step synchronised at both ends; then steps
     ``warmup + 1`` to the last as one window, CUDA synchronised only at its two ends (a step's copies
@@ -317,7 +328,9 @@ class StepTimer:
         self.window_s = None  # mean seconds per step over the window
         self.first_peak = None  # CUDA: bytes at the peak of model setup and the first step
         self.losses = []
-        self._i, self._t0, self._window_t0 = 0, None, None
+        self.starts = []  # host clock at each step's begin (steps after the first are not synchronised)
+        self.window_allocator = {}  # CUDA caching allocator events inside the window (retries, cudaMalloc/Free)
+        self._i, self._t0, self._window_t0, self._allocator0 = 0, None, None, {}
 
     @staticmethod
     def _sync():
@@ -331,8 +344,10 @@ class StepTimer:
         if self._i in (0, self.warmup):
             self._sync()
         self._t0 = time.perf_counter()
+        self.starts.append(self._t0)
         if self._i == self.warmup:
             self._window_t0 = self._t0
+            self._allocator0 = allocator_counts()
         self._profile_begin()
 
     def end(self, loss=None):
@@ -348,6 +363,8 @@ class StepTimer:
                 torch.cuda.reset_peak_memory_stats()
         if last:
             self.window_s = (now - self._window_t0) / (self._i - self.warmup + 1)
+            self.window_allocator = {k: v - self._allocator0.get(k, 0) for k, v in allocator_counts().items()}
+            self.starts.append(now)
         self._i += 1
         if loss is not None:
             self.losses.append(float(loss))
@@ -552,7 +569,10 @@ def measure(args) -> dict:
             if cuda and timer.count > 1 else None,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": losses, "pinned_gib": pinned_bytes / 2**30, "pinning_s": pinned_s,
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            # host seconds from each step's begin to the next (the last: to the window's synchronised end)
+            "step_host_s": [round(b - a, 4) for a, b in zip(timer.starts, timer.starts[1:])],
+            "window_allocator": timer.window_allocator}
 
 
 def table_row(r: dict) -> str:
