@@ -1,10 +1,12 @@
 """Pinned host memory for offloaded state: one allocation per request, or views of shared slabs.
 
-By default each request gets a pinned allocation of its own. Sharing is off because on CUDA it
-breaks offloaded training: with states carved from shared 256 MiB slabs, the fused-path resume
-test of the ``offload`` preset hangs (tests/gpu/test_resume_fused.py) and the 4-GPU DCP resume of
-Llama-3-8B shapes with ``bf16w-4bit-lean-offload`` + release differs, while both are bit-exact with
-one allocation per state (BENCHMARKS.md section 28). The cause is not found yet.
+By default each request gets a pinned allocation of its own. Sharing was turned off when the
+fused-path resume test of the ``offload`` preset failed with it (tests/gpu/test_resume_fused.py)
+and the 4-GPU DCP resume of Llama-3-8B shapes with ``bf16w-4bit-lean-offload`` + release differed
+(BENCHMARKS.md section 28). One cause is found and fixed: a slab held states of several dtypes,
+and ``torch.save`` refuses a storage viewed as two dtypes, so saving ``state_dict()`` failed; each
+dtype now fills slabs of its own (tests/test_pinned_slabs.py; the single-GPU GPU suite passes with
+sharing on, section 32). Sharing stays off until the 4-GPU DCP resume is rerun with it.
 
 The price: torch's pinned allocator rounds every request up to a power of two, so a rank holds up
 to twice its offloaded state in host memory (Llama-3-70B shapes on 4 GPUs: 65 GiB resident for
@@ -159,8 +161,8 @@ class PinnedArena:
         self.slab_bytes = int(slab_bytes if slab_bytes is not None else os.environ.get("OPTSTATE_PINNED_SLAB_BYTES",
                                                                                      SLAB_BYTES))
         self.pin = pin
-        self._slab = None  # the slab being filled
-        self._used = 0
+        # the slab being filled, per dtype: a storage viewed as two dtypes cannot be saved by torch.save
+        self._slabs: Dict[torch.dtype, Tuple[torch.Tensor, int]] = {}  # dtype -> (slab, bytes used)
         self.slabs_allocated = 0  # slabs asked for so far (oversized requests included)
         self.ahead: Optional[PinAhead] = None  # allocations pinned ahead of the first step
 
@@ -203,12 +205,12 @@ class PinnedArena:
         if padded > self.slab_bytes:  # a slab of its own, of its exact size
             self.slabs_allocated += 1
             return self._bytes(padded)[:nbytes].view(dtype)[:numel].view(shape)
-        if self._slab is None or self._used + padded > self.slab_bytes:
-            self._slab, self._used = self._bytes(self.slab_bytes), 0
+        slab, used = self._slabs.get(dtype, (None, 0))
+        if slab is None or used + padded > self.slab_bytes:
+            slab, used = self._bytes(self.slab_bytes), 0
             self.slabs_allocated += 1
-        view = self._slab[self._used:self._used + nbytes]
-        self._used += padded
-        return view.view(dtype)[:numel].view(shape)
+        self._slabs[dtype] = (slab, used + padded)
+        return slab[used:used + nbytes].view(dtype)[:numel].view(shape)
 
     def __getstate__(self):
         """Copies and pickles do not pin ahead (the thread and its allocations stay with the original)."""
@@ -216,5 +218,5 @@ class PinnedArena:
 
     def close(self) -> None:
         """Forget the slab being filled (views alive keep their slabs) and what was pinned ahead."""
-        self._slab, self._used = None, 0
+        self._slabs.clear()
         self.end_ahead()
