@@ -23,14 +23,17 @@ def batch(seed: int = 1, n: int = 64, n_in: int = 32, n_out: int = 8):
 
 
 def train_steps(model, opt, steps: int, seed: int = 1, closure: bool = False):
-    """Train on a fixed stream of batches; returns the list of losses."""
+    """Train on a fixed stream of batches (cast to the parameters' dtype, e.g. after cast_model);
+    returns the list of losses."""
     losses = []
+    dtype = next(model.parameters()).dtype
     for s in range(steps):
         x, y = batch(seed + s)
+        x = x.to(dtype)
 
         def fn():
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
             loss.backward()
             return loss
 

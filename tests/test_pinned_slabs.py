@@ -9,6 +9,8 @@ import torch
 import optstate_core as oc
 from optstate_core.state.pinned import PinnedArena
 
+from helpers import mlp, train_steps
+
 pytest.importorskip("triton")
 
 
@@ -31,9 +33,7 @@ def _saved(obj) -> bytes:
 
 
 def _build(preset, slab, options):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64),
-                                torch.nn.LayerNorm(64), torch.nn.Linear(64, 16))
+    model = mlp()
     if oc.presets.has_master_weights(preset):
         oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), preset, fused=True,
@@ -41,20 +41,6 @@ def _build(preset, slab, options):
     opt._engine.pinned.end_ahead()
     opt._engine.pinned = PinnedArena(slab_bytes=slab, pin=False)
     return model, opt
-
-
-def _train(model, opt, first, steps):
-    losses = []
-    dtype = next(model.parameters()).dtype
-    for s in range(first, first + steps):
-        g = torch.Generator().manual_seed(s)
-        x, y = torch.randn(8, 64, generator=g).to(dtype), torch.randn(8, 16, generator=g)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
 
 
 @pytest.mark.parametrize("preset,options", [
@@ -68,17 +54,17 @@ def test_shared_slabs_save_load_and_resume_bit_for_bit(preset, options):
     runs = {}
     for slab in (0, 1 << 20):
         model, opt = _build(preset, slab, options)
-        _train(model, opt, 0, 3)
+        train_steps(model, opt, 3, seed=1)
         saved_model = torch.load(io.BytesIO(_saved(model.state_dict())), weights_only=True)
         saved_opt = torch.load(io.BytesIO(_saved(opt.state_dict())), weights_only=True)
-        expected = _train(model, opt, 3, 3)
+        expected = train_steps(model, opt, 3, seed=4)
         if slab:
             assert opt._engine.pinned.slabs_allocated > 0
         model2, opt2 = _build(preset, slab, options)
-        _train(model2, opt2, 100, 2)
+        train_steps(model2, opt2, 2, seed=100)
         model2.load_state_dict(saved_model)
         opt2.load_state_dict(saved_opt)
-        assert torch.equal(_train(model2, opt2, 3, 3), expected)
+        assert train_steps(model2, opt2, 3, seed=4) == expected
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
         runs[slab] = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(p, q) for p, q in zip(runs[0], runs[1 << 20]))
