@@ -310,15 +310,3 @@ def test_slow_pinning_names_the_allocator_setting_once(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="optstate.pinned"):
         pinned._hint_if_slow()
     assert not [r for r in caplog.records if r.name == "optstate.pinned"]
-
-
-def test_pinned_state_shares_no_storage_by_default(monkeypatch):
-    """Shared pinned slabs break offloaded training on CUDA (see state/pinned.py): by default every
-    request is an allocation of its own, of its exact size."""
-    from optstate_core.state.pinned import PinnedArena
-    monkeypatch.delenv("OPTSTATE_PINNED_SLAB_BYTES", raising=False)
-    arena = PinnedArena(pin=False)
-    a, b = arena.take(5, torch.float32, (5,)), arena.take(7, torch.int8, (7,))
-    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    assert (a.untyped_storage().nbytes(), b.untyped_storage().nbytes()) == (32, 16)  # 16-byte padded
-    assert arena.slabs_allocated == 2

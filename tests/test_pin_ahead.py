@@ -117,13 +117,19 @@ def _run(preset, ahead: bool, monkeypatch, steps=2, **options):
     return ps, opt, predicted, engine.pinned.asked, pool
 
 
+@pytest.mark.parametrize("slab_bytes", ["0", "256", None], ids=["own", "small-slabs", "default-slabs"])
 @pytest.mark.parametrize("preset,options", [("bf16w-4bit-lean-offload", {}),
                                             ("bf16w-4bit-lean", {"gpu_budget": "24KB"})],
                          ids=["offload", "budget"])
-def test_first_step_requests_are_what_the_first_step_pins(preset, options, monkeypatch):
-    """The prediction, size for size, is what the first step asks the arena for (a budget keeps some
-    parameters' state resident: theirs are not asked for), all served from the pool; the
-    parameters after two steps are bit for bit those without pinning ahead."""
+def test_first_step_requests_are_what_the_first_step_pins(preset, options, slab_bytes, monkeypatch):
+    """The prediction, size for size, is what the first step allocates in the arena (a budget keeps
+    some parameters' state resident: theirs are not asked for), with an allocation per state or in
+    shared slabs, all served from the pool; the parameters after two steps are bit for bit those
+    without pinning ahead."""
+    if slab_bytes is None:
+        monkeypatch.delenv("OPTSTATE_PINNED_SLAB_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", slab_bytes)
     ps0, _, _, _, _ = _run(preset, False, monkeypatch, **options)
     ps1, opt, predicted, asked, pool = _run(preset, True, monkeypatch, **options)
     assert predicted and collections.Counter(asked) == collections.Counter(predicted)

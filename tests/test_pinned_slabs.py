@@ -1,12 +1,14 @@
-"""Shared pinned slabs (``OPTSTATE_PINNED_SLAB_BYTES``): states carved from shared host buffers save,
-load and resume as states with allocations of their own. The suite has no CUDA: the arena hands
-out ordinary host memory (``pin=False``) through the same code."""
+"""Shared pinned slabs (state/pinned.py, on by default): their sizes, and states carved from them
+save, load and resume as states with allocations of their own. The suite has no CUDA: the arena
+hands out ordinary host memory (``pin=False``) through the same code."""
 import io
+import random
 
 import pytest
 import torch
 
 import optstate_core as oc
+from optstate_core.state import pinned
 from optstate_core.state.pinned import PinnedArena
 
 from helpers import mlp, train_steps
@@ -24,6 +26,63 @@ def test_a_slab_holds_one_dtype():
     assert c.data_ptr() - a.data_ptr() == 16  # 16-byte aligned views, one after the other
     assert arena.slabs_allocated == 2
     torch.load(io.BytesIO(_saved({"a": a, "b": b, "c": c})), weights_only=True)
+
+
+def test_slabs_grow_from_small_to_the_largest_size_per_dtype(monkeypatch):
+    """By default a dtype's first slab is MIN_SLAB_BYTES and each next one at least as large as all it
+    was handed so far (a power of two), up to SLAB_BYTES; a larger request has its own allocation;
+    OPTSTATE_PINNED_SLAB_BYTES=0 gives every request its own, anything but an integer >= 0 is
+    refused by name."""
+    monkeypatch.delenv("OPTSTATE_PINNED_SLAB_BYTES", raising=False)
+    monkeypatch.setattr(pinned, "MIN_SLAB_BYTES", 64)
+    arena = PinnedArena(slab_bytes=1024, pin=False)
+    sizes = []
+    for _ in range(40):  # 32 floats = 128 B each
+        t = arena.take(32, torch.float32, (32,))
+        sizes.append(t.untyped_storage().nbytes())
+    assert sorted(set(sizes)) == [128, 256, 512, 1024]  # 64 is too small for one request
+    assert sizes[:4] == [128, 128, 256, 256] and sizes[-1] == 1024
+    big = arena.take(300, torch.float32, (300,))
+    assert big.untyped_storage().nbytes() == 1200 and arena.take(1, torch.int8, (1,)).untyped_storage().nbytes() == 64
+    assert PinnedArena(pin=False).slab_bytes == pinned.SLAB_BYTES
+    monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "0")
+    arena = PinnedArena(pin=False)
+    a, b = arena.take(5, torch.float32, (5,)), arena.take(7, torch.float32, (7,))
+    assert (a.untyped_storage().nbytes(), b.untyped_storage().nbytes()) == (32, 32)  # 16-byte padded, own
+    monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "256MB")
+    with pytest.raises(ValueError, match="OPTSTATE_PINNED_SLAB_BYTES"):
+        PinnedArena(pin=False)
+
+
+@pytest.mark.parametrize("slab_bytes", [0, 256, 4096])
+def test_predicted_allocations_are_those_take_makes(slab_bytes, monkeypatch):
+    """PinnedArena.allocations (what pinning ahead pins) replays take()'s rule: for a random run of
+    requests of three dtypes, from a fresh arena and from one part filled, the same sizes in order."""
+    monkeypatch.setattr(pinned, "MIN_SLAB_BYTES", 64)
+    rng = random.Random(slab_bytes)
+    dtypes = (torch.uint8, torch.float32, torch.bfloat16)
+    requests = [(rng.randint(1, 700), rng.choice(dtypes)) for _ in range(200)]
+    for head in (0, 50):
+        arena = RecordingArena(slab_bytes)
+        for numel, dtype in requests[:head]:
+            arena.take(numel, dtype, (numel,))
+        predicted = arena.allocations([(pinned.padded_bytes(n, d), d) for n, d in requests[head:]])
+        arena.asked.clear()
+        for numel, dtype in requests[head:]:
+            arena.take(numel, dtype, (numel,))
+        assert predicted == arena.asked and predicted
+
+
+class RecordingArena(PinnedArena):
+    """Ordinary host memory; records the byte sizes of its allocations."""
+
+    def __init__(self, slab_bytes):
+        super().__init__(slab_bytes=slab_bytes, pin=False)
+        self.asked = []
+
+    def _bytes(self, nbytes):
+        self.asked.append(nbytes)
+        return super()._bytes(nbytes)
 
 
 def _saved(obj) -> bytes:

@@ -35,11 +35,12 @@ def enabled() -> bool:
 
 
 def first_step_requests(engine) -> List[int]:
-    """The byte sizes the first step will ask the engine's pinned arena for, parameters in reverse
-    order (backward's). Empty once any state exists, under a GPU budget given as a fraction (it is
-    resolved against the free memory of the first step), with shared slabs, or for DTensors."""
+    """The byte sizes of the allocations the first step will make in the engine's pinned arena (its
+    requests, parameters in reverse order as backward asks, filling the arena's slabs). Empty once
+    any state exists, under a GPU budget given as a fraction (it is resolved against the free memory
+    of the first step), or for DTensors."""
     placement = engine.placement
-    if engine.step_count or len(engine.state) or isinstance(placement.gpu_budget, float) or engine.pinned.slab_bytes:
+    if engine.step_count or len(engine.state) or isinstance(placement.gpu_budget, float):
         return []
     infos = list(engine.param_infos())
     if any(is_dtensor(p) for p, _ in infos):
@@ -59,15 +60,15 @@ def first_step_requests(engine) -> List[int]:
             plans = [(w, engine.fused.plan(w)) for w in works if w.key.requires_grad]
     finally:
         placement.resident = saved
-    sizes = []
+    requests = []
     for w, plan in reversed(plans):
         if plan is None or not plan["first"] or not engine.fused.pins(w.param):
             continue
         for _, codec, dtype, on_host in first_step_states(plan, w.param.dtype):
             if on_host:
-                sizes += [padded_bytes(math.prod(shape), pdtype)
-                          for shape, pdtype, _ in payload_layout_of(codec, w.param.shape, dtype).values()]
-    return sizes
+                requests += [(padded_bytes(math.prod(shape), pdtype), pdtype)
+                             for shape, pdtype, _ in payload_layout_of(codec, w.param.shape, dtype).values()]
+    return engine.pinned.allocations(requests)
 
 
 def start(engine) -> None:

@@ -1,21 +1,18 @@
-"""Pinned host memory for offloaded state: one allocation per request, or views of shared slabs.
+"""Pinned host memory for offloaded state: views of shared slabs, one dtype per slab.
 
-By default each request gets a pinned allocation of its own. Sharing was turned off when the
-fused-path resume test of the ``offload`` preset failed with it (tests/gpu/test_resume_fused.py)
-and the 4-GPU DCP resume of Llama-3-8B shapes with ``bf16w-4bit-lean-offload`` + release differed
-(BENCHMARKS.md section 28). One cause is found and fixed: a slab held states of several dtypes,
-and ``torch.save`` refuses a storage viewed as two dtypes, so saving ``state_dict()`` failed; each
-dtype now fills slabs of its own (tests/test_pinned_slabs.py; the single-GPU GPU suite passes with
-sharing on, section 32). Sharing stays off until the 4-GPU DCP resume is rerun with it.
-
-The price: torch's pinned allocator rounds every request up to a power of two, so a rank holds up
-to twice its offloaded state in host memory (Llama-3-70B shapes on 4 GPUs: 65 GiB resident for
-34 GiB of state; 38.5 GiB with shared slabs). ``OPTSTATE_PINNED_SLAB_BYTES=268435456`` turns
-sharing on, for diagnosis only: a :class:`PinnedArena` then asks for slabs of exactly that size and
-hands out aligned views of them (a larger request gets an allocation of its own).
+torch's pinned allocator rounds every request up to a power of two, so one allocation per state
+holds up to twice the offloaded state in host memory (Llama-3-70B shapes on 4 GPUs: 65 GiB per rank
+for 34 GiB of state; 38.5 GiB with shared slabs, BENCHMARKS.md section 28). A :class:`PinnedArena`
+therefore hands out 16-byte aligned views of slabs: per dtype (``torch.save`` refuses a storage
+viewed as two dtypes), each new slab a power of two at least as large as what that dtype was handed
+so far, from :data:`MIN_SLAB_BYTES` up to :data:`SLAB_BYTES` (a larger request gets an allocation of
+its own). A small model wastes little; a large one pins in a few hundred large slabs, and the states
+of one release batch lie side by side, so their copies merge. ``OPTSTATE_PINNED_SLAB_BYTES`` sets
+the largest slab; 0 gives every request an allocation of its own (the default until section 33).
 
 Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the
-arena serves requests of those sizes from it (``schedule/pin_ahead.py`` predicts the first step's).
+arena serves requests of those sizes from it (``schedule/pin_ahead.py`` predicts the first step's
+requests; :meth:`PinnedArena.allocations` turns them into the arena's allocations).
 """
 from __future__ import annotations
 
@@ -24,13 +21,16 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .units import env_count
+
 log = logging.getLogger("optstate.pinned")
 
-SLAB_BYTES = 0  # one allocation per request (see above); 2**28 shares 256 MiB slabs
+SLAB_BYTES = 2**28  # the largest shared slab (a power of two: torch's pinned allocator rounds up to one)
+MIN_SLAB_BYTES = 2**20  # the first slab of a dtype (unless SLAB_BYTES is smaller)
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
 # every arena of this process: bytes pinned, seconds the asking threads spent pinning or waiting for
 # pinned memory, seconds spent in pinning calls on any thread (the pin-ahead thread's included)
@@ -153,18 +153,50 @@ class PinAhead:
         self._thread.join()
 
 
+class _Fill(NamedTuple):
+    """A dtype's slab being filled: its bytes, those handed out of it, those handed out of all its slabs."""
+    size: int
+    used: int
+    given: int
+
+
 class PinnedArena:
-    """Hands out views of pinned slabs of ``slab_bytes`` (``pin=False``: ordinary host memory, for tests)."""
+    """Hands out views of pinned slabs, one dtype per slab (``pin=False``: ordinary host memory, for
+    tests); ``slab_bytes``: the largest slab (0: an allocation per request)."""
 
     def __init__(self, slab_bytes: int = None, pin: bool = True):
-        # OPTSTATE_PINNED_SLAB_BYTES > 0: requests share slabs of that size (diagnosis only, see above)
-        self.slab_bytes = int(slab_bytes if slab_bytes is not None else os.environ.get("OPTSTATE_PINNED_SLAB_BYTES",
-                                                                                     SLAB_BYTES))
+        if slab_bytes is None:
+            slab_bytes = env_count("OPTSTATE_PINNED_SLAB_BYTES", SLAB_BYTES, 0,
+                                   "an integer >= 0 (bytes of the largest shared slab; 0: none shared)")
+        self.slab_bytes = int(slab_bytes)
         self.pin = pin
-        # the slab being filled, per dtype: a storage viewed as two dtypes cannot be saved by torch.save
-        self._slabs: Dict[torch.dtype, Tuple[torch.Tensor, int]] = {}  # dtype -> (slab, bytes used)
+        # per dtype: the slab being filled, and the bytes handed out of it and of all that dtype's slabs
+        self._slabs: Dict[torch.dtype, Tuple[torch.Tensor, _Fill]] = {}
         self.slabs_allocated = 0  # slabs asked for so far (oversized requests included)
         self.ahead: Optional[PinAhead] = None  # allocations pinned ahead of the first step
+
+    def _new_allocation(self, fills: Dict[torch.dtype, "_Fill"], padded: int, dtype: torch.dtype) -> int:
+        """The bytes of the allocation a request of ``padded`` bytes of ``dtype`` needs (0: it fits in
+        that dtype's slab); ``fills`` is updated as :meth:`take` does. The one rule of both
+        :meth:`take` and :meth:`allocations`."""
+        if padded > self.slab_bytes:  # an allocation of its own, of its exact size
+            return padded
+        fill = fills.get(dtype) or _Fill(0, 0, 0)
+        if fill.used + padded <= fill.size:
+            fills[dtype] = _Fill(fill.size, fill.used + padded, fill.given + padded)
+            return 0
+        size = min(self.slab_bytes, max(MIN_SLAB_BYTES, 1 << (max(fill.given, padded) - 1).bit_length()))
+        fills[dtype] = _Fill(size, padded, fill.given + padded)
+        return size
+
+    def allocations(self, requests: Sequence[Tuple[int, torch.dtype]]) -> List[int]:
+        """The byte sizes of the allocations that requests of (padded bytes, dtype), in this order,
+        would make from the arena's present state (nothing is allocated)."""
+        fills = dict(self._slabs_fill())
+        return [n for n in (self._new_allocation(fills, padded, dtype) for padded, dtype in requests) if n]
+
+    def _slabs_fill(self) -> Dict[torch.dtype, "_Fill"]:
+        return {dtype: fill for dtype, (_, fill) in self._slabs.items()}
 
     def _bytes(self, nbytes: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -179,10 +211,9 @@ class PinnedArena:
 
     def pin_ahead(self, sizes: Sequence[int], device: Optional[torch.device] = None) -> Optional[PinAhead]:
         """Start pinning allocations of these byte sizes (see :class:`PinAhead`; ``device``: the
-        CUDA device they are for); requests of those sizes are then served from them. Only with
-        one allocation per request."""
+        CUDA device they are for); allocations of those sizes are then served from them."""
         self.end_ahead()
-        if sizes and not self.slab_bytes:
+        if sizes:
             self.ahead = PinAhead(sizes, self.pin, device)
         return self.ahead
 
@@ -202,19 +233,23 @@ class PinnedArena:
         """An uninitialised ``shape`` tensor of ``dtype`` (``numel`` elements) in pinned memory."""
         nbytes = max(int(numel) * dtype.itemsize, 1)
         padded = padded_bytes(numel, dtype)
-        if padded > self.slab_bytes:  # a slab of its own, of its exact size
+        fills = self._slabs_fill()
+        new = self._new_allocation(fills, padded, dtype)
+        if padded > self.slab_bytes:  # an allocation of its own
             self.slabs_allocated += 1
-            return self._bytes(padded)[:nbytes].view(dtype)[:numel].view(shape)
-        slab, used = self._slabs.get(dtype, (None, 0))
-        if slab is None or used + padded > self.slab_bytes:
-            slab, used = self._bytes(self.slab_bytes), 0
+            return self._bytes(new)[:nbytes].view(dtype)[:numel].view(shape)
+        slab = self._slabs[dtype][0] if dtype in self._slabs else None
+        if new:
             self.slabs_allocated += 1
-        self._slabs[dtype] = (slab, used + padded)
-        return slab[used:used + nbytes].view(dtype)[:numel].view(shape)
+            slab = self._bytes(new)
+        fill = fills[dtype]
+        self._slabs[dtype] = (slab, fill)
+        return slab[fill.used - padded:fill.used - padded + nbytes].view(dtype)[:numel].view(shape)
 
     def __getstate__(self):
-        """Copies and pickles do not pin ahead (the thread and its allocations stay with the original)."""
-        return {**self.__dict__, "ahead": None}
+        """Copies and pickles neither pin ahead (the thread and its allocations stay with the original)
+        nor fill the original's slabs: their next requests start slabs of their own."""
+        return {**self.__dict__, "ahead": None, "_slabs": {}}
 
     def close(self) -> None:
         """Forget the slab being filled (views alive keep their slabs) and what was pinned ahead."""
