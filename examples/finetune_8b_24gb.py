@@ -82,6 +82,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 from optstate_core.state.pinned import pinning_totals  # noqa: E402
+from optstate_core.step.kernels import compile_ahead  # noqa: E402
 
 FRAMEWORKS = ("trainer", "lightning", "accelerate")
 OPTIMIZERS = ("optstate", "adamw", "torchao-offload", "deepspeed-offload")
@@ -572,7 +573,8 @@ def measure(args) -> dict:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             # host seconds from each step's begin to the next (the last: to the window's synchronised end)
             "step_host_s": [round(b - a, 4) for a, b in zip(timer.starts, timer.starts[1:])],
-            "window_allocator": timer.window_allocator}
+            "window_allocator": timer.window_allocator,
+            "compiled_ahead": compile_ahead.stats()}  # this process's kernel compiles on the worker so far
 
 
 def table_row(r: dict) -> str:

@@ -9,6 +9,7 @@ import torch
 from .state import checkpoint, master_weights
 from . import metrics
 from .schedule import pin_ahead
+from .step.kernels import compile_ahead
 from .schedule.engine import Engine
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
@@ -222,6 +223,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
                 engine.conform()
         else:  # offloaded state's pinned memory: pinned on a thread while the first forward runs
             pin_ahead.start(engine)
+        compile_ahead.start(engine)  # the first step's step-count kernels: compiled on a thread (CUDA)
 
     # -- torch.optim.Optimizer API -------------------------------------------------------------
     def step(self, closure: Optional[Callable[[], float]] = None):

@@ -18,7 +18,7 @@ from ..state.codecs import Int4Codec
 from ..state.codecs.rounding import state_seed
 from ..state.units import env_count
 from .inner import decoupled_decay
-from .kernels import launch
+from .kernels import compile_ahead, launch
 
 FP32, BF16, INT8, INT4, FP24 = 0, 1, 2, 3, 4
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -100,6 +100,7 @@ class KernelLauncher:
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
         self.group_scalars: Dict[int, dict] = {}  # schedule-free AdamW: this step's values per group
+        self.compile_ahead = compile_ahead.enabled()  # kernel variants compiled on a thread ahead of their launches
 
     def close(self) -> None:
         """Forget cached launch tables (they hold device pointers of freed state)."""
@@ -182,7 +183,8 @@ class KernelLauncher:
         from .kernels.adam import advance_steps_kernel
 
         if bucket.plan["kind"] == "adam":
-            advance_steps_kernel[(len(bucket.params),)](bucket.steps_table(bucket.params[0].device))
+            device = bucket.params[0].device
+            self._run(advance_steps_kernel, len(bucket.params), device, (bucket.steps_table(device),), {})
 
     def launch(self, bucket, flags=None, advance: bool = True) -> None:
         """One launch of the update kernel over a bucket. ``flags``: the parent bucket's
@@ -239,11 +241,11 @@ class KernelLauncher:
             decoupled = decoupled_decay(engine.inner, group)
             torch_fused = bool(plan.get("torch_fused"))
             CORR = self._bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
-            adam_kernel[(n_prog,)](
+            self._run(adam_kernel, n_prog, device, (
                 P, G, GS, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
                 tpow2, lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
                 float(group["eps"]), float(group["weight_decay"]),
-                *self._tables(m_codec, device), *self._tables(v_codec, device),
+                *self._tables(m_codec, device), *self._tables(v_codec, device)), dict(
                 M_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1],
                 M_SR=bool(m_codec.stochastic_rounding), V_SR=bool(v_codec.stochastic_rounding),
                 P_SR=self.stochastic_param_rounding and p_kind == 1,
@@ -251,37 +253,37 @@ class KernelLauncher:
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
-                maxnreg=maxnreg, **self._master(bucket, device), **common)
+                maxnreg=maxnreg, **self._master(bucket, device), **common))
         elif plan["kind"] == "schedule_free":
             v_codec = plan["codecs"][1]
             V, VS = bucket.tables(1, device)
             sc = self.group_scalars[bucket.group_index]
-            schedule_free_adamw_kernel[(n_prog,)](
+            self._run(schedule_free_adamw_kernel, n_prog, device, (
                 P, G, GS, M, MS, V, VS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 sc["lr"], sc["ckp1"], sc["y_coef"], sc["bias_correction2"], sc["eps"], sc["beta2"],
-                sc["one_minus_beta2"], sc["decay"], *self._tables(v_codec, device),
+                sc["one_minus_beta2"], sc["decay"], *self._tables(v_codec, device)), dict(
                 Z_KIND=plan["kinds"][0], V_KIND=plan["kinds"][1], V_SR=bool(v_codec.stochastic_rounding),
                 V_LEVELS=self._n_levels(v_codec), V_INV_POW=self._inv_power(v_codec), V_POW=self._int_power(v_codec),
                 DECAY=sc["decay"] != 0, SMALL_WEIGHT=abs(sc["ckp1"]) < 0.5,
-                **{k: v for k, v in common.items() if k not in ("LR_TENSOR", "MAXIMIZE")})
+                **{k: v for k, v in common.items() if k not in ("LR_TENSOR", "MAXIMIZE")}))
         elif plan["kind"] == "lion":
             beta1, beta2 = (float(b) for b in group["betas"])
             wd = float(group["weight_decay"])
             if getattr(engine.inner, "decoupled_wd", False):
                 wd /= engine.inner._init_lr
-            lion_kernel[(n_prog,)](
+            self._run(lion_kernel, n_prog, device, (
                 P, G, GS, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 1.0 - lr_val * wd, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host, as lion-pytorch
-                *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
+                *self._tables(m_codec, device)), dict(M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
-                **{k: v for k, v in common.items() if k not in ("LR_TENSOR", "MAXIMIZE")})
+                **{k: v for k, v in common.items() if k not in ("LR_TENSOR", "MAXIMIZE")}))
         else:
-            sgd_kernel[(n_prog,)](
+            self._run(sgd_kernel, n_prog, device, (
                 P, G, GS, M, MS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
                 lr_ptr, lr_val, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                *self._tables(m_codec, device), M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
+                *self._tables(m_codec, device)), dict(M_KIND=plan["kinds"][0], M_SR=bool(m_codec.stochastic_rounding),
                 M_LEVELS=self._n_levels(m_codec), M_INV_POW=self._inv_power(m_codec), M_POW=self._int_power(m_codec),
-                NESTEROV=bool(group["nesterov"]), **common)
+                NESTEROV=bool(group["nesterov"]), **common))
         if check and parent_flags is None:
             self.count_skipped(flags)
         elif check and not direct:  # a streamed piece: raise its parameter's flag (the caller counts them)
@@ -290,8 +292,17 @@ class KernelLauncher:
         engine.metrics.fused_params += n if advance else 0
         engine.metrics.kernel_launches += 1
 
-    @staticmethod
-    def _bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance) -> torch.Tensor:
+    def _run(self, kernel, n_prog: int, device, args: tuple, kwargs: dict) -> None:
+        """Launch ``kernel`` over ``n_prog`` programs; with compiling ahead on, wait for its variant
+        if the worker is compiling it, and after a first-step launch queue its later-step twin
+        (kernels/compile_ahead.py)."""
+        if self.compile_ahead and compile_ahead.busy():
+            compile_ahead.wait_for(compile_ahead.variant_key(kernel, args, kwargs))
+        kernel[(n_prog,)](*args, **kwargs)
+        if self.compile_ahead and kwargs.get("FIRST"):
+            compile_ahead.twin(kernel, args, kwargs, device)
+
+    def _bias_corrections(self, bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance) -> torch.Tensor:
         """The Adam kernel's CORR table for the coming step (and the step counts advanced, with
         ``advance``), from the per-parameter step counts on the device: per tensor the step size
         and square-rooted second correction (``bias_corrections_kernel``), or for torch's fused
@@ -301,9 +312,10 @@ class KernelLauncher:
 
         device, n = bucket.params[0].device, len(bucket.params)
         out = torch.empty(n if torch_fused else 3 * n, dtype=torch.float32, device=device)
-        bias_corrections_kernel[(n,)](bucket.steps_table(device), out, lr_ptr, lr_val,
-                                      math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30,
-                                      LR_TENSOR=lr_tensor, ADVANCE=advance, STEP_ONLY=torch_fused)
+        self._run(bias_corrections_kernel, n, device,
+                  (bucket.steps_table(device), out, lr_ptr, lr_val,
+                   math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30),
+                  dict(LR_TENSOR=lr_tensor, ADVANCE=advance, STEP_ONLY=torch_fused))
         if not torch_fused:
             return out
         key = (str(device), beta1, beta2)

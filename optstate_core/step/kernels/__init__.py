@@ -5,6 +5,7 @@
                     with TORCH_FUSED, torch's own fused CUDA Adam(W), tests/gpu/test_torch_fused_exact.py)
 * ``sgd.py``        fused SGD-with-momentum step (twin: tiled path with torch.optim.SGD)
 * ``launch.py``     pointer tables and work lists
+* ``compile_ahead.py`` kernel variants compiled on a thread before their launches (CUDA)
 
 Kernels import nothing from the engine. On a machine without a GPU they run under
 ``TRITON_INTERPRET=1`` (that is how CI tests them).

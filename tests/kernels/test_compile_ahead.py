@@ -1,0 +1,75 @@
+"""Kernel variants compiled ahead (step/kernels/compile_ahead.py): what wrap() and a first step
+queue must be the variants the next launches use. The suite runs the kernels interpreted, where
+nothing is compiled: the worker's compile is replaced by a recorder and the switch forced on."""
+import pytest
+import torch
+
+import optstate_core as oc
+from optstate_core.step.kernels import compile_ahead
+
+from helpers import mlp, train_steps
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Compiling ahead on (interpreted), the worker recording instead of compiling; launches
+    record the variant they look up (busy() forced true so each launch looks)."""
+    seen = {"submitted": [], "launched": []}
+    monkeypatch.setattr(compile_ahead, "_PENDING", {})
+    monkeypatch.setattr(compile_ahead, "_ACTIVE", set())
+    monkeypatch.setattr(compile_ahead, "enabled", lambda: True)
+    monkeypatch.setattr(compile_ahead, "_compile", lambda kernel, args, kwargs, device: True)
+    monkeypatch.setattr(compile_ahead, "busy", lambda: True)
+    submit = compile_ahead.submit
+
+    def recording_submit(key, *a):
+        seen["submitted"].append(key)
+        return submit(key, *a)
+
+    monkeypatch.setattr(compile_ahead, "submit", recording_submit)
+    monkeypatch.setattr(compile_ahead, "wait_for", lambda key: seen["launched"].append(key))
+    return seen
+
+
+def _is_first(key) -> bool:
+    return ("FIRST", True) in key[2]
+
+
+@pytest.mark.parametrize("preset,options", [
+    ("8bit", {}),
+    ("bf16w-4bit-lean-offload", {"release_gradients": True, "max_grad_norm": 1.0, "release_bucket_bytes": 1}),
+], ids=["8bit", "offload+release-per-param"])
+def test_twins_queued_by_the_first_step_are_the_second_steps_variants(preset, options, recorded):
+    """Every update-kernel variant the second step launches was queued as the twin of a first-step
+    launch (and only FIRST=False twins were queued); the step-count kernels wrap() would compile on
+    a device are those the first step launched."""
+    model = mlp()
+    if oc.presets.has_master_weights(preset):
+        oc.cast_model(model)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, fused=True, staging_bytes="16KB", **options)
+    train_steps(model, opt, 1, seed=1)
+    first = list(recorded["launched"])
+    twins = set(recorded["submitted"])
+    updates = [k for k in first if any(name == "FIRST" for name, _ in k[2])]
+    assert updates and all(_is_first(k) for k in updates)
+    assert twins and not any(_is_first(k) for k in twins)
+    recorded["launched"].clear()
+    train_steps(model, opt, 1, seed=2)
+    second = [k for k in recorded["launched"] if any(name == "FIRST" for name, _ in k[2])]
+    assert second and set(second) <= twins
+    step_counts = {k for k in first if k not in updates}
+    ahead = {compile_ahead.variant_key(*v) for v in compile_ahead.first_step_variants(opt._engine, torch.device("cpu"))}
+    assert step_counts and step_counts <= ahead
+
+
+def test_the_switch_is_checked_by_name(monkeypatch):
+    monkeypatch.setenv(compile_ahead.ENV, "yes")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="OPTSTATE_COMPILE_AHEAD"):
+        compile_ahead.enabled()
+    monkeypatch.setenv(compile_ahead.ENV, "1")
+    assert compile_ahead.enabled()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not compile_ahead.enabled()  # interpreted: nothing to compile
