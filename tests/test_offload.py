@@ -265,7 +265,7 @@ def test_pinned_state_is_carved_from_whole_slabs():
     arena = PinnedArena(slab_bytes=256, pin=False)
     bytes_before, seconds_before = pinning_totals()
     views = [arena.take(n, torch.float32, (n,)) for n in (5, 30, 7, 20, 100, 3)]
-    assert arena.slabs_allocated == 3  # [5, 30, 7] then [20, 3] in slabs of 256 B; 100 floats (400 B) alone
+    assert arena.slabs_allocated == 3  # [5, 30, 7, 3] and [20] in slabs of 256 B (first fit); 100 floats (400 B) alone
     bytes_after, seconds_after = pinning_totals()  # what the example reports as the first step's pinning
     assert bytes_after - bytes_before == 256 + 400 + 256 and seconds_after >= seconds_before
     spans = []

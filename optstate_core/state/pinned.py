@@ -6,8 +6,11 @@ for 34 GiB of state; 38.5 GiB with shared slabs, BENCHMARKS.md section 28). A :c
 therefore hands out 16-byte aligned views of slabs: per dtype (``torch.save`` refuses a storage
 viewed as two dtypes), each new slab a power of two at least as large as what that dtype was handed
 so far, from :data:`MIN_SLAB_BYTES` up to :data:`SLAB_BYTES` (a larger request gets an allocation of
-its own). A small model wastes little; a large one pins in a few hundred large slabs, and the states
-of one release batch lie side by side, so their copies merge. ``OPTSTATE_PINNED_SLAB_BYTES`` sets
+its own), each request in the oldest slab with room for it (first fit). A small model wastes
+little; a large one pins in a few hundred large slabs, and states allocated together lie side by
+side, so their copies merge. Llama-3-8B shapes, ``bf16w-4bit-lean-offload``: 15.42 GiB of
+requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own, 17.48 GiB in slabs
+filled one at a time as on 876df07 (``tools/pinned_footprint.py``, BENCHMARKS.md section 33). ``OPTSTATE_PINNED_SLAB_BYTES`` sets
 the largest slab; 0 gives every request an allocation of its own (the default until section 33).
 
 Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the
@@ -21,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +34,7 @@ log = logging.getLogger("optstate.pinned")
 
 SLAB_BYTES = 2**28  # the largest shared slab (a power of two: torch's pinned allocator rounds up to one)
 MIN_SLAB_BYTES = 2**20  # the first slab of a dtype (unless SLAB_BYTES is smaller)
+MIN_ROOM_BYTES = 64  # a slab with less room left is full: later requests no longer look at it
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
 # every arena of this process: bytes pinned, seconds the asking threads spent pinning or waiting for
 # pinned memory, seconds spent in pinning calls on any thread (the pin-ahead thread's included)
@@ -153,16 +157,32 @@ class PinAhead:
         self._thread.join()
 
 
-class _Fill(NamedTuple):
-    """A dtype's slab being filled: its bytes, those handed out of it, those handed out of all its slabs."""
-    size: int
-    used: int
-    given: int
+class _Open:
+    """A dtype's slab with room left: its bytes, those handed out, the slab (None in a replay)."""
+    __slots__ = ("size", "used", "slab")
+
+    def __init__(self, size: int, used: int, slab: Optional[torch.Tensor] = None):
+        self.size, self.used, self.slab = size, used, slab
+
+
+class _Fills:
+    """Per dtype: its slabs with room left (oldest first) and the bytes handed out of all its slabs."""
+    __slots__ = ("open", "given")
+
+    def __init__(self, open_: Optional[List[_Open]] = None, given: int = 0):
+        self.open, self.given = open_ if open_ is not None else [], given
+
+    def replay(self) -> "_Fills":
+        """A copy without the slabs, for :meth:`PinnedArena.allocations`."""
+        return _Fills([_Open(o.size, o.used) for o in self.open], self.given)
 
 
 class PinnedArena:
     """Hands out views of pinned slabs, one dtype per slab (``pin=False``: ordinary host memory, for
-    tests); ``slab_bytes``: the largest slab (0: an allocation per request)."""
+    tests); ``slab_bytes``: the largest slab (0: an allocation per request).
+
+    A request goes to the oldest slab of its dtype with room for it (first fit: a large request
+    that skips a slab's end leaves that room to later, smaller ones), else to a new slab."""
 
     def __init__(self, slab_bytes: int = None, pin: bool = True):
         if slab_bytes is None:
@@ -170,33 +190,35 @@ class PinnedArena:
                                    "an integer >= 0 (bytes of the largest shared slab; 0: none shared)")
         self.slab_bytes = int(slab_bytes)
         self.pin = pin
-        # per dtype: the slab being filled, and the bytes handed out of it and of all that dtype's slabs
-        self._slabs: Dict[torch.dtype, Tuple[torch.Tensor, _Fill]] = {}
+        self._fills: Dict[torch.dtype, _Fills] = {}
         self.slabs_allocated = 0  # slabs asked for so far (oversized requests included)
         self.ahead: Optional[PinAhead] = None  # allocations pinned ahead of the first step
 
-    def _new_allocation(self, fills: Dict[torch.dtype, "_Fill"], padded: int, dtype: torch.dtype) -> int:
-        """The bytes of the allocation a request of ``padded`` bytes of ``dtype`` needs (0: it fits in
-        that dtype's slab); ``fills`` is updated as :meth:`take` does. The one rule of both
-        :meth:`take` and :meth:`allocations`."""
+    def _place(self, fills: Dict[torch.dtype, _Fills], padded: int, dtype: torch.dtype) -> Tuple[Optional[_Open], int, int]:
+        """Where a request of ``padded`` bytes of ``dtype`` goes: (its slab, its offset there, the
+        bytes of a new allocation it needs or 0); ``fills`` updated. The one rule of both
+        :meth:`take` and :meth:`allocations`. An oversized request: (None, 0, its bytes)."""
         if padded > self.slab_bytes:  # an allocation of its own, of its exact size
-            return padded
-        fill = fills.get(dtype) or _Fill(0, 0, 0)
-        if fill.used + padded <= fill.size:
-            fills[dtype] = _Fill(fill.size, fill.used + padded, fill.given + padded)
-            return 0
-        size = min(self.slab_bytes, max(MIN_SLAB_BYTES, 1 << (max(fill.given, padded) - 1).bit_length()))
-        fills[dtype] = _Fill(size, padded, fill.given + padded)
-        return size
+            return None, 0, padded
+        fill = fills.setdefault(dtype, _Fills())
+        fill.given += padded
+        for i, slab in enumerate(fill.open):
+            if slab.used + padded <= slab.size:
+                offset, slab.used = slab.used, slab.used + padded
+                if slab.size - slab.used < MIN_ROOM_BYTES:  # full: no longer searched
+                    del fill.open[i]
+                return slab, offset, 0
+        size = min(self.slab_bytes, max(MIN_SLAB_BYTES, 1 << (max(fill.given - padded, padded) - 1).bit_length()))
+        slab = _Open(size, padded)
+        if size - padded >= MIN_ROOM_BYTES:
+            fill.open.append(slab)
+        return slab, 0, size
 
     def allocations(self, requests: Sequence[Tuple[int, torch.dtype]]) -> List[int]:
         """The byte sizes of the allocations that requests of (padded bytes, dtype), in this order,
         would make from the arena's present state (nothing is allocated)."""
-        fills = dict(self._slabs_fill())
-        return [n for n in (self._new_allocation(fills, padded, dtype) for padded, dtype in requests) if n]
-
-    def _slabs_fill(self) -> Dict[torch.dtype, "_Fill"]:
-        return {dtype: fill for dtype, (_, fill) in self._slabs.items()}
+        fills = {dtype: fill.replay() for dtype, fill in self._fills.items()}
+        return [n for n in (self._place(fills, padded, dtype)[2] for padded, dtype in requests) if n]
 
     def _bytes(self, nbytes: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -232,26 +254,21 @@ class PinnedArena:
     def take(self, numel: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
         """An uninitialised ``shape`` tensor of ``dtype`` (``numel`` elements) in pinned memory."""
         nbytes = max(int(numel) * dtype.itemsize, 1)
-        padded = padded_bytes(numel, dtype)
-        fills = self._slabs_fill()
-        new = self._new_allocation(fills, padded, dtype)
-        if padded > self.slab_bytes:  # an allocation of its own
-            self.slabs_allocated += 1
-            return self._bytes(new)[:nbytes].view(dtype)[:numel].view(shape)
-        slab = self._slabs[dtype][0] if dtype in self._slabs else None
+        slab, offset, new = self._place(self._fills, padded_bytes(numel, dtype), dtype)
         if new:
             self.slabs_allocated += 1
-            slab = self._bytes(new)
-        fill = fills[dtype]
-        self._slabs[dtype] = (slab, fill)
-        return slab[fill.used - padded:fill.used - padded + nbytes].view(dtype)[:numel].view(shape)
+            memory = self._bytes(new)
+            if slab is None:  # an allocation of its own
+                return memory[:nbytes].view(dtype)[:numel].view(shape)
+            slab.slab = memory
+        return slab.slab[offset:offset + nbytes].view(dtype)[:numel].view(shape)
 
     def __getstate__(self):
         """Copies and pickles neither pin ahead (the thread and its allocations stay with the original)
         nor fill the original's slabs: their next requests start slabs of their own."""
-        return {**self.__dict__, "ahead": None, "_slabs": {}}
+        return {**self.__dict__, "ahead": None, "_fills": {}}
 
     def close(self) -> None:
-        """Forget the slab being filled (views alive keep their slabs) and what was pinned ahead."""
-        self._slabs.clear()
+        """Forget the slabs with room left (views alive keep their slabs) and what was pinned ahead."""
+        self._fills.clear()
         self.end_ahead()

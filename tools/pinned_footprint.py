@@ -1,0 +1,85 @@
+"""Pinned host memory of a preset's host-tier state for named Llama shapes, computed (no GPU):
+the padded requests, one allocation per request, and the arena's shared slabs (``state/pinned.py``'s
+rule, through ``PinnedArena.allocations``), each allocation rounded up to a power of two as torch's
+caching host allocator does. A model of the allocator, not a measurement: section 28 of
+BENCHMARKS.md measured 65 GiB of resident host memory per rank where this counts 37.8 GiB of
+one-per-request allocations (70B, 4 GPUs), and 38.5 GiB with shared slabs.
+
+    python tools/pinned_footprint.py --shapes 0.95b,8b,70b [--preset bf16w-4bit-lean-offload] [--gpus 4]
+
+``--gpus N``: per rank under FSDP2 (each parameter's first dimension split into N shards).
+Requests are made in backward's order (parameters in reverse), states key by key, as the first
+step makes them.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import List, Tuple
+
+import torch
+
+
+def requests(shape_name: str, preset: str, gpus: int = 1) -> List[Tuple[int, torch.dtype]]:
+    """(padded bytes, dtype) of every pinned request of ``preset``'s host-tier state."""
+    from optstate_core.apps.llama import NAMED_SHAPES
+    from optstate_core.apps.model_shapes import config_shapes
+    from optstate_core.apps.plan import AFTER_WARMUP, OPTIMIZER_STATES
+    from optstate_core.policy import ParamInfo
+    from optstate_core.presets import has_master_weights, make_policy
+    from optstate_core.state.master_weights import MASTER_KEY
+    from optstate_core.state.pinned import padded_bytes
+    from optstate_core.state.store import payload_layout_of
+
+    policy = make_policy(preset)
+    master = has_master_weights(preset)
+    keys = OPTIMIZER_STATES["adamw"] + ((MASTER_KEY,) if master else ())
+    out = []
+    shapes = config_shapes(NAMED_SHAPES[shape_name].hf_config())
+    for index, (name, shape) in reversed(list(enumerate(shapes))):
+        local = (-(-shape[0] // gpus), *shape[1:])
+        info = ParamInfo(index, 0, local, torch.bfloat16 if master else torch.float32, name)
+        for key in keys:
+            if policy.tier_for(info, key, AFTER_WARMUP) != "host":
+                continue
+            codec = policy.codec_for(info, key, AFTER_WARMUP)
+            out += [(padded_bytes(math.prod(s), dtype), dtype)
+                    for s, dtype, _ in payload_layout_of(codec, local, torch.float32).values()]
+    return out
+
+
+def pow2(n: int) -> int:
+    """The bytes torch's caching host allocator reserves for a request of ``n``: the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
+def footprint(reqs, slab_bytes=None) -> Tuple[int, int, int]:
+    """(requested, one allocation per request, the arena's slabs) in bytes, each allocation
+    rounded as torch's host allocator rounds it."""
+    from optstate_core.state.pinned import PinnedArena
+    asked = sum(n for n, _ in reqs)
+    own = sum(pow2(n) for n, _ in reqs)
+    return asked, own, sum(pow2(n) for n in PinnedArena(slab_bytes, pin=False).allocations(reqs))
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="0.95b,8b,70b")
+    p.add_argument("--preset", default="bf16w-4bit-lean-offload")
+    p.add_argument("--gpus", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus must be >= 1, got {args.gpus}")
+    lines = [f"| shape | requests | GiB requested | GiB as own allocations | GiB in shared slabs |  ({args.preset}, "
+             f"per rank of {args.gpus})", "|---|---:|---:|---:|---:|"]
+    for name in args.shapes.split(","):
+        reqs = requests(name, args.preset, args.gpus)
+        asked, own, slabs = footprint(reqs)
+        lines.append(f"| {name} | {len(reqs)} | {asked / 2**30:.2f} | {own / 2**30:.2f} | {slabs / 2**30:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
