@@ -21,30 +21,22 @@ import torch
 
 
 def requests(shape_name: str, preset: str, gpus: int = 1) -> List[Tuple[int, torch.dtype]]:
-    """(padded bytes, dtype) of every pinned request of ``preset``'s host-tier state."""
+    """(padded bytes, dtype) of every pinned request of ``preset``'s host-tier state (the states
+    ``optstate plan`` counts, per rank)."""
     from optstate_core.apps.llama import NAMED_SHAPES
     from optstate_core.apps.model_shapes import config_shapes
-    from optstate_core.apps.plan import AFTER_WARMUP, OPTIMIZER_STATES
-    from optstate_core.policy import ParamInfo
-    from optstate_core.presets import has_master_weights, make_policy
-    from optstate_core.state.master_weights import MASTER_KEY
+    from optstate_core.apps.plan import param_states
     from optstate_core.state.pinned import padded_bytes
     from optstate_core.state.store import payload_layout_of
 
-    policy = make_policy(preset)
-    master = has_master_weights(preset)
-    keys = OPTIMIZER_STATES["adamw"] + ((MASTER_KEY,) if master else ())
+    shapes = [(name, (-(-shape[0] // gpus), *shape[1:]))
+              for name, shape in config_shapes(NAMED_SHAPES[shape_name].hf_config())]
     out = []
-    shapes = config_shapes(NAMED_SHAPES[shape_name].hf_config())
-    for index, (name, shape) in reversed(list(enumerate(shapes))):
-        local = (-(-shape[0] // gpus), *shape[1:])
-        info = ParamInfo(index, 0, local, torch.bfloat16 if master else torch.float32, name)
-        for key in keys:
-            if policy.tier_for(info, key, AFTER_WARMUP) != "host":
-                continue
-            codec = policy.codec_for(info, key, AFTER_WARMUP)
-            out += [(padded_bytes(math.prod(s), dtype), dtype)
-                    for s, dtype, _ in payload_layout_of(codec, local, torch.float32).values()]
+    for (_, shape), entries in reversed(list(zip(shapes, param_states(shapes, preset, "adamw", torch.float32)))):
+        for _, codec, tier, _ in entries:
+            if tier == "host":
+                out += [(padded_bytes(math.prod(s), dtype), dtype)
+                        for s, dtype, _ in payload_layout_of(codec, shape, torch.float32).values()]
     return out
 
 

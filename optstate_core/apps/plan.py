@@ -92,15 +92,15 @@ def state_bytes(shapes: NamedShapes, preset: Optional[str], optimizer: str = "ad
     preset with master weights sees bf16 parameters, keeps its state in fp32 and adds the
     ``master_correction`` state."""
     out = StateBytes()
-    for entries in _param_states(shapes, preset, optimizer, dtype):
+    for entries in param_states(shapes, preset, optimizer, dtype):
         for key, codec, tier, nbytes in entries:
-            out.add(key, codec, tier, nbytes)
+            out.add(key, codec.name, tier, nbytes)
     return out
 
 
-def _param_states(shapes: NamedShapes, preset: Optional[str], optimizer: str, dtype: torch.dtype):
+def param_states(shapes: NamedShapes, preset: Optional[str], optimizer: str, dtype: torch.dtype):
     """Per parameter, its states as the preset's policy stores them after warmup: a list of
-    ``(state key, codec name, tier, bytes)``."""
+    ``(state key, codec, tier, bytes)``."""
     from ..state.codecs import FP32Codec
     from ..state.codecs.base import slab_shape
     from ..state.master_weights import MASTER_KEY
@@ -121,7 +121,7 @@ def _param_states(shapes: NamedShapes, preset: Optional[str], optimizer: str, dt
             else:
                 codec = policy.codec_for(info, key, AFTER_WARMUP)
                 tier = policy.tier_for(info, key, AFTER_WARMUP)
-            entries.append((key, codec.name, tier, codec.nbytes(rows, cols, dtype)))
+            entries.append((key, codec, tier, codec.nbytes(rows, cols, dtype)))
         yield entries
 
 
@@ -280,12 +280,12 @@ def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget:
     at most); the rest is in host memory."""
     from ..schedule.placement import residency_mode, spread_residency
     out = StateBytes()
-    params = list(_param_states(shapes, preset, optimizer, torch.float32))
+    params = list(param_states(shapes, preset, optimizer, torch.float32))
     keep = spread_residency([sum(nbytes for *_, nbytes in entries) for entries in params],
                             budget - min(STAGING_BYTES, budget // 2), even=residency_mode() == "spread")
     for entries, stays in zip(params, keep):
         for key, codec, _, nbytes in entries:
-            out.add(key, codec, "device" if stays else "host", nbytes)
+            out.add(key, codec.name, "device" if stays else "host", nbytes)
     return out
 
 

@@ -201,14 +201,14 @@ class PinnedArena:
         if padded > self.slab_bytes:  # an allocation of its own, of its exact size
             return None, 0, padded
         fill = fills.setdefault(dtype, _Fills())
-        fill.given += padded
+        given, fill.given = fill.given, fill.given + padded
         for i, slab in enumerate(fill.open):
             if slab.used + padded <= slab.size:
                 offset, slab.used = slab.used, slab.used + padded
                 if slab.size - slab.used < MIN_ROOM_BYTES:  # full: no longer searched
                     del fill.open[i]
                 return slab, offset, 0
-        size = min(self.slab_bytes, max(MIN_SLAB_BYTES, 1 << (max(fill.given - padded, padded) - 1).bit_length()))
+        size = min(self.slab_bytes, max(MIN_SLAB_BYTES, 1 << (max(given, padded) - 1).bit_length()))
         slab = _Open(size, padded)
         if size - padded >= MIN_ROOM_BYTES:
             fill.open.append(slab)

@@ -138,7 +138,7 @@ def first_step_variants(engine, device: torch.device) -> list:
 def start(engine) -> None:
     """At wrap(): compile the first step's step-count kernels for each CUDA device of the
     parameters (when the fused path may run there)."""
-    if engine.fused.mode is False or not enabled():
+    if engine.fused.mode is False or not engine.kernels.compile_ahead:
         return
     for device in {p.device for p, _ in engine.param_infos() if p.device.type == "cuda"}:
         for kernel, args, kwargs in first_step_variants(engine, device):
