@@ -73,3 +73,31 @@ def test_the_switch_is_checked_by_name(monkeypatch):
     assert compile_ahead.enabled()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not compile_ahead.enabled()  # interpreted: nothing to compile
+
+
+def test_a_launch_over_one_tensor_is_the_variant_of_a_launch_over_several():
+    """The update kernels do not specialize on their tensor count (gradient release launches one
+    parameter at a time, buckets several: one compile serves both); an integer argument a kernel
+    does specialize still splits variants at 1, as Triton does."""
+    from optstate_core.step.kernels.adam import adam_kernel
+    from optstate_core.step.kernels.lion import lion_kernel
+    from optstate_core.step.kernels.schedule_free import schedule_free_adamw_kernel
+    from optstate_core.step.kernels.sgd import sgd_kernel
+
+    for kernel in (adam_kernel, sgd_kernel, lion_kernel, schedule_free_adamw_kernel):
+        assert compile_ahead.unspecialized(kernel) == {"N_TENSORS"}, kernel
+    names = adam_kernel.arg_names
+    table = torch.zeros(4, dtype=torch.int64)
+
+    def key(kernel, n):
+        args = tuple(n if name == "N_TENSORS" else 16 if name == "TPOW2" else table for name in names[:20])
+        return compile_ahead.variant_key(kernel, args, {"FIRST": True})
+
+    assert key(adam_kernel, 1) == key(adam_kernel, 3) == key(adam_kernel, 40)
+    assert key(adam_kernel, 1) != key(adam_kernel, 2**40)  # a 64-bit count is another signature
+
+    class Specializing:  # a kernel that specializes every integer (Triton's default)
+        arg_names = adam_kernel.arg_names
+        do_not_specialize = ()
+
+    assert key(Specializing, 3) == key(Specializing, 5) != key(Specializing, 1) != key(Specializing, 32)

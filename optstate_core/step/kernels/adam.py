@@ -19,6 +19,11 @@ from triton.language.extra import libdevice
 from . import interpreting
 from .codec_ops import INT8, bf16_grid, int8_block_max_bits, load_state, mix32, round_to_bf16, store_state
 
+#: update-kernel arguments compiled without specializing on their value: Triton otherwise compiles
+#: a separate variant for a launch over one tensor (a count of 1 becomes a constant), so gradient
+#: release (one parameter per launch) and bucket launches (several) each paid a compile of their
+#: own, 1 s apiece on an H100 with Triton's cache empty (BENCHMARKS.md section 34)
+UNSPECIALIZED = ["N_TENSORS"]
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)
 P_FP16 = tl.constexpr(2)
@@ -280,7 +285,7 @@ def torch_fused_moments(m, v, g, beta1, beta2):
     return m, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def adam_kernel(P, G, GS, M, MS, V, VS, VM, VMS, CORR, FLAGS, SEEDS, STEP, BASE,
                 COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                 lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,

@@ -101,15 +101,31 @@ def wait_for(key: Hashable) -> None:
 
 
 def variant_key(kernel, args: tuple, kwargs: dict) -> tuple:
-    """A launch's variant: per argument its dtype (tensors) or value (integers, booleans), floats
-    only as floats; constexprs and launch options by value. Finer than Triton's own key (an
-    integer's value, not only its divisibility), so one variant may be compiled twice: the second
-    time a lookup in Triton's cache."""
-    def part(v):
+    """A launch's variant, as Triton tells variants apart: per argument its dtype (tensors); for an
+    integer whether it needs 64 bits, equals 1 and divides by 16, or only its width where the
+    kernel does not specialize on it (``do_not_specialize``); floats only as floats; constexprs and
+    launch options by value. Pointer alignment is not looked at: every table is 16-byte aligned."""
+    names, fixed = getattr(kernel, "arg_names", ()), unspecialized(kernel)
+
+    def part(name, v):
         if isinstance(v, torch.Tensor):
             return ("tensor", v.dtype)
+        if isinstance(v, int) and not isinstance(v, bool):
+            wide = not -2**31 <= v < 2**31
+            return ("int", wide) if name in fixed else ("int", wide, v == 1, v % 16 == 0)
         return "float" if isinstance(v, float) else v
-    return (id(kernel), tuple(map(part, args)), tuple(sorted((k, part(v)) for k, v in kwargs.items())))
+    return (id(kernel), tuple(part(names[i] if i < len(names) else i, v) for i, v in enumerate(args)),
+            tuple(sorted((k, part(k, v)) for k, v in kwargs.items())))
+
+
+def unspecialized(kernel) -> Set[str]:
+    """Names of ``kernel``'s arguments compiled without specializing on their value (its
+    ``do_not_specialize``, compiled or interpreted)."""
+    listed = getattr(kernel, "do_not_specialize", None)
+    if listed is None:
+        listed = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+    names = getattr(kernel, "arg_names", ())
+    return {names[a] if isinstance(a, int) and a < len(names) else a for a in (listed or ())}
 
 
 def twin(kernel, args: tuple, kwargs: dict, device: torch.device) -> None:

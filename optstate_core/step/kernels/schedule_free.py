@@ -13,8 +13,8 @@ First step: ``z = y``, ``v = 0`` (the optimizer's own initialisation).
 import triton
 import triton.language as tl
 
-from .adam import (block_skip, load_master, load_param_grad, load_step_mix, per_block, program_tile, scale_grad,
-                   sr_indices, state_key, store_master, store_param, tile_offsets)
+from .adam import (UNSPECIALIZED, block_skip, load_master, load_param_grad, load_step_mix, per_block, program_tile,
+                   scale_grad, sr_indices, state_key, store_master, store_param, tile_offsets)
 from .codec_ops import load_state, store_state
 
 FP24 = tl.constexpr(4)  # the iterate's kind beside codec_ops' FP32/BF16 (bf16 + int8 residual, see state/codecs/fp24.py)
@@ -33,7 +33,7 @@ def load_iterate(Z, ZS, t, elem, mask, pair, pmask, s8, s4, s4mask, Z_KIND: tl.c
     return z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def schedule_free_adamw_kernel(P, G, GS, Z, ZS, V, VS, FLAGS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_START,
                                N_TENSORS, TPOW2: tl.constexpr, lr, ckp1, y_coef, bias_correction2, eps, beta2,
                                one_minus_beta2, decay, v_levels, v_mids, v_lut,

@@ -5,12 +5,12 @@ The reference twin is the engine's tiled path (decode -> ``torch.optim.SGD`` -> 
 import triton
 import triton.language as tl
 
-from .adam import (block_skip, load_param_grad, load_step_mix, per_block, program_tile, scale_grad, sr_indices,
-                   state_key, store_param, tile_offsets)
+from .adam import (UNSPECIALIZED, block_skip, load_param_grad, load_step_mix, per_block, program_tile, scale_grad,
+                   sr_indices, state_key, store_param, tile_offsets)
 from .codec_ops import load_state, store_state
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def sgd_kernel(P, G, GS, M, MS, FLAGS, SEEDS, STEP, BASE, COLS, NBR, NBLOCKS, PROG_START, N_TENSORS, TPOW2: tl.constexpr,
                lr_ptr, lr, momentum, dampening, weight_decay, m_levels, m_mids, m_lut,
                P_KIND: tl.constexpr, M_KIND: tl.constexpr, M_SR: tl.constexpr, M_LEVELS: tl.constexpr,
