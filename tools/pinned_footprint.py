@@ -3,7 +3,9 @@ the padded requests, one allocation per request, and the arena's shared slabs (`
 rule, through ``PinnedArena.allocations``), each allocation rounded up to a power of two as torch's
 caching host allocator does. A model of the allocator, not a measurement: section 28 of
 BENCHMARKS.md measured 65 GiB of resident host memory per rank where this counts 37.8 GiB of
-one-per-request allocations (70B, 4 GPUs), and 38.5 GiB with shared slabs.
+one-per-request allocations (70B, 4 GPUs), and 38.5 GiB with shared slabs. Slabs are shared only
+with ``OPTSTATE_PINNED_SLAB_BYTES`` set (off by default since BENCHMARKS.md section 34); the
+slab column is for 256 MiB slabs.
 
     python tools/pinned_footprint.py --shapes 0.95b,8b,70b [--preset bf16w-4bit-lean-offload] [--gpus 4]
 
@@ -46,9 +48,11 @@ def pow2(n: int) -> int:
 
 
 def footprint(reqs, slab_bytes=None) -> Tuple[int, int, int]:
-    """(requested, one allocation per request, the arena's slabs) in bytes, each allocation
-    rounded as torch's host allocator rounds it."""
-    from optstate_core.state.pinned import PinnedArena
+    """(requested, one allocation per request, the arena's slabs up to ``slab_bytes``, by default
+    the largest it shares when switched on) in bytes, each allocation rounded as torch's host
+    allocator rounds it."""
+    from optstate_core.state.pinned import SLAB_BYTES, PinnedArena
+    slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
     asked = sum(n for n, _ in reqs)
     own = sum(pow2(n) for n, _ in reqs)
     return asked, own, sum(pow2(n) for n in PinnedArena(slab_bytes, pin=False).allocations(reqs))

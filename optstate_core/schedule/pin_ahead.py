@@ -36,7 +36,7 @@ def enabled() -> bool:
 
 def first_step_requests(engine) -> List[int]:
     """The byte sizes of the allocations the first step will make in the engine's pinned arena (its
-    requests, parameters in reverse order as backward asks, filling the arena's slabs). Empty once
+    requests, parameters in reverse order as backward asks, one each or, when shared, the arena's slabs). Empty once
     any state exists, under a GPU budget given as a fraction (it is resolved against the free memory
     of the first step), or for DTensors."""
     placement = engine.placement

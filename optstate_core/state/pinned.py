@@ -9,9 +9,14 @@ so far, from :data:`MIN_SLAB_BYTES` up to :data:`SLAB_BYTES` (a larger request g
 its own), each request in the oldest slab with room for it (first fit). A small model wastes
 little; a large one pins in a few hundred large slabs, and states allocated together lie side by
 side, so their copies merge. Llama-3-8B shapes, ``bf16w-4bit-lean-offload``: 15.42 GiB of
-requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own, 17.48 GiB in slabs
-filled one at a time as on 876df07 (``tools/pinned_footprint.py``, BENCHMARKS.md section 33). ``OPTSTATE_PINNED_SLAB_BYTES`` sets
-the largest slab; 0 gives every request an allocation of its own (the default until section 33).
+requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own
+(``tools/pinned_footprint.py``, BENCHMARKS.md section 33).
+
+**Sharing is off by default** (``OPTSTATE_PINNED_SLAB_BYTES`` unset or 0: every request an
+allocation of its own): with shared slabs the 4-GPU FSDP2 + DCP resume of Llama-3-8B shapes
+differed from the uninterrupted run in two of three runs, without them it was bit for bit in both
+(BENCHMARKS.md section 34; the cause is not found). ``OPTSTATE_PINNED_SLAB_BYTES=268435456``
+(:data:`SLAB_BYTES`) shares slabs up to that size.
 
 Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the
 arena serves requests of those sizes from it (``schedule/pin_ahead.py`` predicts the first step's
@@ -32,7 +37,8 @@ from .units import env_count
 
 log = logging.getLogger("optstate.pinned")
 
-SLAB_BYTES = 2**28  # the largest shared slab (a power of two: torch's pinned allocator rounds up to one)
+SLAB_BYTES = 2**28  # the largest shared slab to ask for (a power of two: torch's pinned allocator rounds up to one)
+DEFAULT_SLAB_BYTES = 0  # shared slabs off unless OPTSTATE_PINNED_SLAB_BYTES asks (see the module doc)
 MIN_SLAB_BYTES = 2**20  # the first slab of a dtype (unless SLAB_BYTES is smaller)
 MIN_ROOM_BYTES = 64  # a slab with less room left is full: later requests no longer look at it
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
@@ -179,14 +185,14 @@ class _Fills:
 
 class PinnedArena:
     """Hands out views of pinned slabs, one dtype per slab (``pin=False``: ordinary host memory, for
-    tests); ``slab_bytes``: the largest slab (0: an allocation per request).
+    tests); ``slab_bytes``: the largest slab (0, the default: an allocation per request).
 
     A request goes to the oldest slab of its dtype with room for it (first fit: a large request
     that skips a slab's end leaves that room to later, smaller ones), else to a new slab."""
 
     def __init__(self, slab_bytes: int = None, pin: bool = True):
         if slab_bytes is None:
-            slab_bytes = env_count("OPTSTATE_PINNED_SLAB_BYTES", SLAB_BYTES, 0,
+            slab_bytes = env_count("OPTSTATE_PINNED_SLAB_BYTES", DEFAULT_SLAB_BYTES, 0,
                                    "an integer >= 0 (bytes of the largest shared slab; 0: none shared)")
         self.slab_bytes = int(slab_bytes)
         self.pin = pin

@@ -15,7 +15,9 @@ kinds of variant are known before they are needed:
 
 One worker thread compiles them (``JITFunction.warmup``: compiled and cached, not launched); a
 launch that needs a variant still compiling waits for it instead of compiling it twice. Only on
-CUDA, not under ``TRITON_INTERPRET=1``. ``OPTSTATE_COMPILE_AHEAD=0`` turns it off.
+CUDA, not under ``TRITON_INTERPRET=1``. ``OPTSTATE_COMPILE_AHEAD=0`` turns it off. With the update
+kernels compiled for any tensor count (``kernels/adam.py: UNSPECIALIZED``) the 8B recipe's first
+step compiles one update-kernel variant, 3.7 s with Triton's cache empty (section 34).
 """
 from __future__ import annotations
 
