@@ -120,3 +120,27 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def recording_arena(slab_bytes=None):
+    """A pinned arena over ordinary host memory (the suite has no CUDA) that records the byte sizes
+    of the allocations it makes (``.asked``); ``slab_bytes`` as :class:`PinnedArena`'s."""
+    from optstate_core.state.pinned import PinnedArena
+
+    class RecordingArena(PinnedArena):
+        def __init__(self):
+            super().__init__(slab_bytes=slab_bytes, pin=False)
+            self.asked = []
+
+        def _bytes(self, nbytes):
+            self.asked.append(nbytes)
+            return super()._bytes(nbytes)
+
+    return RecordingArena()
+
+
+def use_arena(opt, arena):
+    """Give a wrapped optimizer ``arena`` as its pinned arena (ending what wrap() pinned ahead)."""
+    opt._engine.pinned.end_ahead()
+    opt._engine.pinned = arena
+    return arena

@@ -14,7 +14,9 @@ import optstate_core as oc
 from optstate_core.schedule import pin_ahead
 from optstate_core.state import pinned
 from optstate_core.state.master_weights import cast_model
-from optstate_core.state.pinned import PinAhead, PinnedArena
+from optstate_core.state.pinned import PinAhead
+
+from helpers import recording_arena, use_arena
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,25 +73,12 @@ def _params():
     return list(ps)
 
 
-class RecordingArena(PinnedArena):
-    """Ordinary host memory (the suite has no CUDA); records the byte sizes the step asks for."""
-
-    def __init__(self):
-        super().__init__(pin=False)
-        self.asked = []
-
-    def _bytes(self, nbytes):
-        self.asked.append(nbytes)
-        return super()._bytes(nbytes)
-
-
 def _record(opt, ahead: bool):
     """The suite has no CUDA: swap the engine's arena (and its failing pinned thread) for a
-    :class:`RecordingArena`, pinning the first step's predicted requests ahead with ``ahead``;
-    returns the prediction and the pool (or None)."""
+    recording arena (``helpers.recording_arena``), pinning the first step's predicted requests
+    ahead with ``ahead``; returns the prediction and the pool (or None)."""
     engine = opt._engine
-    engine.pinned.end_ahead()
-    engine.pinned = RecordingArena()
+    use_arena(opt, recording_arena())
     predicted = pin_ahead.first_step_requests(engine)
     pool = engine.pinned.pin_ahead(predicted) if ahead else None
     if pool is not None:

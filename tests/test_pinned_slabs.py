@@ -1,4 +1,4 @@
-"""Shared pinned slabs (state/pinned.py, on by default): their sizes, and states carved from them
+"""Shared pinned slabs (state/pinned.py, off by default): their sizes, and states carved from them
 save, load and resume as states with allocations of their own. The suite has no CUDA: the arena
 hands out ordinary host memory (``pin=False``) through the same code."""
 import io
@@ -11,7 +11,7 @@ import optstate_core as oc
 from optstate_core.state import pinned
 from optstate_core.state.pinned import PinnedArena
 
-from helpers import mlp, train_steps
+from helpers import mlp, recording_arena, train_steps, use_arena
 
 pytest.importorskip("triton")
 
@@ -79,7 +79,7 @@ def test_predicted_allocations_are_those_take_makes(slab_bytes, monkeypatch):
     dtypes = (torch.uint8, torch.float32, torch.bfloat16)
     requests = [(rng.randint(1, 700), rng.choice(dtypes)) for _ in range(200)]
     for head in (0, 50):
-        arena = RecordingArena(slab_bytes)
+        arena = recording_arena(slab_bytes)
         for numel, dtype in requests[:head]:
             arena.take(numel, dtype, (numel,))
         predicted = arena.allocations([(pinned.padded_bytes(n, d), d) for n, d in requests[head:]])
@@ -87,18 +87,6 @@ def test_predicted_allocations_are_those_take_makes(slab_bytes, monkeypatch):
         for numel, dtype in requests[head:]:
             arena.take(numel, dtype, (numel,))
         assert predicted == arena.asked and predicted
-
-
-class RecordingArena(PinnedArena):
-    """Ordinary host memory; records the byte sizes of its allocations."""
-
-    def __init__(self, slab_bytes):
-        super().__init__(slab_bytes=slab_bytes, pin=False)
-        self.asked = []
-
-    def _bytes(self, nbytes):
-        self.asked.append(nbytes)
-        return super()._bytes(nbytes)
 
 
 def _saved(obj) -> bytes:
@@ -113,8 +101,7 @@ def _build(preset, slab, options):
         oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), preset, fused=True,
                   pin_memory=True, staging_bytes="16KB", **options)
-    opt._engine.pinned.end_ahead()
-    opt._engine.pinned = PinnedArena(slab_bytes=slab, pin=False)
+    use_arena(opt, PinnedArena(slab_bytes=slab, pin=False))
     return model, opt
 
 

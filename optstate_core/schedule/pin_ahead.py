@@ -36,9 +36,9 @@ def enabled() -> bool:
 
 def first_step_requests(engine) -> List[int]:
     """The byte sizes of the allocations the first step will make in the engine's pinned arena (its
-    requests, parameters in reverse order as backward asks, one each or, when shared, the arena's slabs). Empty once
-    any state exists, under a GPU budget given as a fraction (it is resolved against the free memory
-    of the first step), or for DTensors."""
+    requests, parameters in reverse order as backward asks: one allocation each, or the arena's
+    slabs when shared). Empty once any state exists, under a GPU budget given as a fraction (it is
+    resolved against the free memory of the first step), or for DTensors."""
     placement = engine.placement
     if engine.step_count or len(engine.state) or isinstance(placement.gpu_budget, float):
         return []

@@ -22,11 +22,12 @@ step compiles one update-kernel variant, 3.7 s with Triton's cache empty (sectio
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Dict, Hashable, Optional, Set
+from typing import Dict, FrozenSet, Hashable, Optional, Set
 
 import torch
 
@@ -120,14 +121,15 @@ def variant_key(kernel, args: tuple, kwargs: dict) -> tuple:
             tuple(sorted((k, part(k, v)) for k, v in kwargs.items())))
 
 
-def unspecialized(kernel) -> Set[str]:
+@functools.lru_cache(maxsize=None)
+def unspecialized(kernel) -> FrozenSet[str]:
     """Names of ``kernel``'s arguments compiled without specializing on their value (its
-    ``do_not_specialize``, compiled or interpreted)."""
+    ``do_not_specialize``, compiled or interpreted); read once per kernel."""
     listed = getattr(kernel, "do_not_specialize", None)
     if listed is None:
         listed = getattr(kernel, "kwargs", {}).get("do_not_specialize")
     names = getattr(kernel, "arg_names", ())
-    return {names[a] if isinstance(a, int) and a < len(names) else a for a in (listed or ())}
+    return frozenset(names[a] if isinstance(a, int) and a < len(names) else a for a in (listed or ()))
 
 
 def twin(kernel, args: tuple, kwargs: dict, device: torch.device) -> None:
