@@ -43,7 +43,7 @@ class Bucket:
         self.tiles = _tiles(self.rows, self.cols)  # 256-element tiles of the launch
         self.aligned = aligned_layout(self.params[0])
         self.whole = self._is_whole()
-        self._tables = {}
+        self._tables = {}  # stream key -> this bucket's cached tables on that stream (see memo)
         self._param_index = None
         self.parent_order = False  # a piece bucket whose item t is the parent's parameter t
 
@@ -63,6 +63,15 @@ class Bucket:
         """Every item is a whole plain tensor (no row offsets, no DTensor shards): pointers then
         come straight from the parameters and gradients (the per-step path of most launches)."""
         return not any(self.offsets) and not any(map(is_dtensor, self.keys))
+
+    def memo(self, device) -> dict:
+        """This bucket's cached device tables for the current stream of ``device`` (tables are
+        only read on the stream they were allocated on: kernels/launch.py)."""
+        key = launch.stream_key(device)
+        memo = self._tables.get(key)
+        if memo is None:
+            memo = self._tables[key] = {}
+        return memo
 
     def param_index(self, device):
         """For a piece bucket: each piece's parameter index in the parent bucket (device table)."""
@@ -114,8 +123,9 @@ class Bucket:
         device = self.params[0].device
         keys = list(pointers)
         tables = launch.cached_tables([values for k in keys for values in pointers[k]], device)  # one copy
+        memo = self.memo(device)
         for j, k in enumerate(keys):
-            self._tables[k] = (tables[2 * j], tables[2 * j + 1])
+            memo[k] = (tables[2 * j], tables[2 * j + 1])
 
     def piece_bytes(self, piece) -> int:
         """Staged bytes of a piece: its host states' rows, each payload padded to 16 bytes."""
@@ -151,9 +161,10 @@ class Bucket:
     def tables(self, i: int, device):
         """Pointer tables (data, scales) of the i-th state of every parameter (built once: the
         engine re-plans whenever a state object changes)."""
-        if i not in self._tables:
-            self._tables[i] = self._build_tables(i, device)
-        return self._tables[i]
+        memo = self.memo(device)
+        if i not in memo:
+            memo[i] = self._build_tables(i, device)
+        return memo[i]
 
     def _build_tables(self, i: int, device):
         values = [s[i] for s in self.storages]
@@ -167,6 +178,7 @@ class Bucket:
         return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
 
     def steps_table(self, device):
-        if "steps" not in self._tables:
-                self._tables["steps"] = launch.pointer_table([st["step"] for st in self.states], device)
-        return self._tables["steps"]
+        memo = self.memo(device)
+        if "steps" not in memo:
+            memo["steps"] = launch.pointer_table([st["step"] for st in self.states], device)
+        return memo["steps"]

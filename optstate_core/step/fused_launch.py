@@ -201,7 +201,7 @@ class KernelLauncher:
         group = engine.inner.param_groups[bucket.group_index]
         nblk, warps, iters, maxnreg = launch_shape(plan)
         iters = loops_for(bucket.tiles, nblk, iters, warps, device)
-        memo, memo_key = bucket._tables, ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
+        memo, memo_key = bucket.memo(device), ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
             # shape tables; counter-hash seeds of m, v, vmax and the parameter (the kernel mixes in
             # the step); each item's first element; whether offsets fit 32 bits
