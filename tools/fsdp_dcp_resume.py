@@ -38,16 +38,36 @@ def train(model, opt, first, steps, batch, seq, vocab):
     return torch.stack(losses).tolist()
 
 
-def local_tensors(model, opt):
-    """Every local parameter shard and optimizer-state tensor as DCP sees them, by name."""
+def fingerprints(model, opt):
+    """A position-weighted checksum of each local tensor's bytes (``--trace``: cheaper than clones)."""
+    out = {}
+    for name, t in local_tensors(model, opt, clone=False).items():
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        total = 0
+        for start in range(0, raw.numel(), 1 << 26):
+            chunk = raw[start:start + (1 << 26)].to("cuda", non_blocking=False).to(torch.int64)
+            weights = torch.arange(start, start + chunk.numel(), device="cuda", dtype=torch.int64) % 65521 + 1
+            total += int((chunk * weights).sum())
+        out[name] = total
+    return out
+
+
+def diverged(a, b):
+    """Names whose fingerprints differ (or exist in one only)."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def local_tensors(model, opt, clone=True):
+    """Every local parameter shard and optimizer-state tensor as DCP sees them, by name (cloned)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    out = {f"param.{n}": (p._local_tensor if hasattr(p, "_local_tensor") else p).detach().clone()
+    copy = (lambda t: t.clone()) if clone else (lambda t: t)
+    out = {f"param.{n}": copy((p._local_tensor if hasattr(p, "_local_tensor") else p).detach())
            for n, p in model.named_parameters()}
     for fqn, entry in get_optimizer_state_dict(model, opt)["state"].items():
         for key, value in entry.items():
             for name, t in (value.items() if isinstance(value, dict) else [("", value)]):
                 if isinstance(t, torch.Tensor):
-                    out[f"state.{fqn}.{key}.{name}"] = (t._local_tensor if hasattr(t, "_local_tensor") else t).clone()
+                    out[f"state.{fqn}.{key}.{name}"] = copy(t._local_tensor if hasattr(t, "_local_tensor") else t)
     return out
 
 
@@ -59,6 +79,9 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3, help="steps before the save, and after it")
+    parser.add_argument("--trace", action="store_true",
+                        help="checksum every tensor at the save and after the load (no sync added inside the "
+                             "steps); print per rank which tensors the load did not restore")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,6 +106,7 @@ def main():
         run = (args.batch, args.seq, shape.vocab)
         model, opt = fresh(c, seed=0)
         before = train(model, opt, 0, args.steps, *run)
+        saved = fingerprints(model, opt) if args.trace else None
         dist.barrier()
         t0 = time.perf_counter()
         save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
@@ -104,6 +128,10 @@ def main():
         del sd
         dist.barrier()
         load_s = time.perf_counter() - t0
+        if args.trace:  # per rank: what the load did not restore
+            lost = diverged(saved, fingerprints(model, opt))
+            print("TRACE " + json.dumps({"rank": rank, "optimizer": name, "not_restored": len(lost),
+                                         "of": len(saved), "first": lost[:8]}), flush=True)
         resumed = train(model, opt, args.steps, args.steps, *run)
         ended = local_tensors(model, opt)
         differing = sorted(k for k in final if not torch.equal(final[k], ended.get(k, torch.empty(0))))
