@@ -9,8 +9,15 @@ weights for ``bf16w-*`` contenders, activation checkpointing, the chunked loss; 
 on its own random tokens per step. Rank 0 prints one ``ROW {json}`` per contender: the losses of
 the uninterrupted and the resumed run, whether they are equal, how many local parameter shards and
 optimizer-state tensors differ at the end, the checkpoint's size on disk and the save/load seconds.
+
+``--repeats N`` runs that round trip N times per contender in one process and prints a ``SUMMARY``
+of how many differed (the 8B offloaded run with release differs in some runs only: BENCHMARKS.md
+section 35); ``--wrap-option KEY=VALUE`` passes further ``wrap()`` options (``prefetch_budget=0``,
+``release_bucket_bytes=...``) to bisect which part of the step it comes from; ``--trace`` checks the
+load itself.
 """
 import argparse
+import ast
 import json
 import os
 import shutil
@@ -71,6 +78,69 @@ def local_tensors(model, opt, clone=True):
     return out
 
 
+def round_trip(args, c, name, fresh, shape, repeat):
+    """Train, save, continue; a fresh model and optimizer load the checkpoint and continue the same;
+    rank 0 prints the ROW. Returns the differing tensors plus ranks with other losses (0: bit for bit)."""
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = os.path.join(args.checkpoint, name.replace("+", "_"))
+    run = (args.batch, args.seq, shape.vocab)
+    model, opt = fresh(c, seed=0)
+    before = train(model, opt, 0, args.steps, *run)
+    saved = fingerprints(model, opt) if args.trace else None
+    dist.barrier()
+    t0 = time.perf_counter()
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    dist.barrier()
+    save_s = time.perf_counter() - t0
+    expected = train(model, opt, args.steps, args.steps, *run)
+    final = local_tensors(model, opt)
+    if hasattr(opt, "close"):
+        opt.close()
+    del model, opt
+    torch.cuda.empty_cache()
+    model, opt = fresh(c, seed=1)
+    train(model, opt, 10_000, 1, *run)  # other data: the load must overwrite everything
+    t0 = time.perf_counter()
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    del sd
+    dist.barrier()
+    load_s = time.perf_counter() - t0
+    if args.trace:  # per rank: what the load did not restore
+        lost = diverged(saved, fingerprints(model, opt))
+        print("TRACE " + json.dumps({"rank": rank, "optimizer": name, "not_restored": len(lost),
+                                     "of": len(saved), "first": lost[:8]}), flush=True)
+    resumed = train(model, opt, args.steps, args.steps, *run)
+    ended = local_tensors(model, opt)
+    differing = sorted(k for k in final if not torch.equal(final[k], ended.get(k, torch.empty(0))))
+    missing = len(set(final) ^ set(ended))
+    counts = torch.tensor([len(differing), missing, int(resumed != expected)], device="cuda")
+    dist.all_reduce(counts)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) if rank == 0 else 0
+    if rank == 0:
+        print("ROW " + json.dumps({
+            "optimizer": name, "repeat": repeat, "model": args.model, "world": world,
+            "device": torch.cuda.get_device_name(),
+            "batch": args.batch, "seq": args.seq, "losses_before": before, "expected": expected,
+            "resumed": resumed, "equal_losses_all_ranks": int(counts[2]) == 0,
+            "differing_tensors_all_ranks": int(counts[0]), "unmatched_names_all_ranks": int(counts[1]),
+            "first_differing_rank0": differing[:5], "tensors_compared_rank0": len(final),
+            "checkpoint_gb": size / 1e9, "save_s": save_s, "load_s": load_s, "torch": torch.__version__}),
+            flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+    if hasattr(opt, "close"):
+        opt.close()
+    del model, opt, final, ended
+    torch.cuda.empty_cache()
+    dist.barrier()
+    return int(counts[0]) + int(counts[2])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="8b")
@@ -82,13 +152,26 @@ def main():
     parser.add_argument("--trace", action="store_true",
                         help="checksum every tensor at the save and after the load (no sync added inside the "
                              "steps); print per rank which tensors the load did not restore")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="round trips per optimizer in this process (a SUMMARY line counts those that differed)")
+    parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further wrap() option for optstate contenders, e.g. prefetch_budget=0 (repeatable; "
+                             "VALUE a Python literal)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    options = {}
+    for item in args.wrap_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            parser.error(f"--wrap-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parser.error(f"--wrap-option {key}: VALUE must be a Python literal, got {value!r}")
     dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    from torch.distributed.checkpoint import load, save
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
     from optstate_core.apps import contenders
     from optstate_core.apps.llama import NAMED_SHAPES, build_model, shard_each_layer
     from optstate_core.apps.chunked_loss import use_chunked_loss
@@ -98,62 +181,15 @@ def main():
     def fresh(c, seed):
         model = use_chunked_loss(build_model(shape, "cuda", c.weights, checkpointing=True, seed=seed,
                                              shard=shard_each_layer))
-        return model, contenders.build(c, list(model.parameters()), model, max_grad_norm=1.0 if c.release else None)
+        return model, contenders.build(c, list(model.parameters()), model,
+                                       max_grad_norm=1.0 if c.release else None, **options)
 
     for name in args.optimizers.split(","):
         c = contenders.parse(name)
-        path = os.path.join(args.checkpoint, name.replace("+", "_"))
-        run = (args.batch, args.seq, shape.vocab)
-        model, opt = fresh(c, seed=0)
-        before = train(model, opt, 0, args.steps, *run)
-        saved = fingerprints(model, opt) if args.trace else None
-        dist.barrier()
-        t0 = time.perf_counter()
-        save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-        dist.barrier()
-        save_s = time.perf_counter() - t0
-        expected = train(model, opt, args.steps, args.steps, *run)
-        final = local_tensors(model, opt)
-        if hasattr(opt, "close"):
-            opt.close()
-        del model, opt
-        torch.cuda.empty_cache()
-        model, opt = fresh(c, seed=1)
-        train(model, opt, 10_000, 1, *run)  # other data: the load must overwrite everything
-        t0 = time.perf_counter()
-        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        load(sd, checkpoint_id=path)
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
-        del sd
-        dist.barrier()
-        load_s = time.perf_counter() - t0
-        if args.trace:  # per rank: what the load did not restore
-            lost = diverged(saved, fingerprints(model, opt))
-            print("TRACE " + json.dumps({"rank": rank, "optimizer": name, "not_restored": len(lost),
-                                         "of": len(saved), "first": lost[:8]}), flush=True)
-        resumed = train(model, opt, args.steps, args.steps, *run)
-        ended = local_tensors(model, opt)
-        differing = sorted(k for k in final if not torch.equal(final[k], ended.get(k, torch.empty(0))))
-        missing = len(set(final) ^ set(ended))
-        counts = torch.tensor([len(differing), missing, int(resumed != expected)], device="cuda")
-        dist.all_reduce(counts)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) if rank == 0 else 0
+        differed = [round_trip(args, c, name, fresh, shape, r) > 0 for r in range(args.repeats)]
         if rank == 0:
-            print("ROW " + json.dumps({
-                "optimizer": name, "model": args.model, "world": world, "device": torch.cuda.get_device_name(),
-                "batch": args.batch, "seq": args.seq, "losses_before": before, "expected": expected,
-                "resumed": resumed, "equal_losses_all_ranks": int(counts[2]) == 0,
-                "differing_tensors_all_ranks": int(counts[0]), "unmatched_names_all_ranks": int(counts[1]),
-                "first_differing_rank0": differing[:5], "tensors_compared_rank0": len(final),
-                "checkpoint_gb": size / 1e9, "save_s": save_s, "load_s": load_s, "torch": torch.__version__}),
-                flush=True)
-            shutil.rmtree(path, ignore_errors=True)
-        if hasattr(opt, "close"):
-            opt.close()
-        del model, opt, final, ended
-        torch.cuda.empty_cache()
-        dist.barrier()
+            print("SUMMARY " + json.dumps({"optimizer": name, "model": args.model, "repeats": args.repeats,
+                                           "runs_that_differed": sum(differed), "options": options}), flush=True)
     dist.destroy_process_group()
 
 

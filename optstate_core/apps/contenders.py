@@ -89,11 +89,14 @@ def unavailable(c: Contender) -> Optional[str]:
     return None
 
 
-def build(c: Contender, params, model=None, max_grad_norm=None) -> Optional[torch.optim.Optimizer]:
+def build(c: Contender, params, model=None, max_grad_norm=None, **options) -> Optional[torch.optim.Optimizer]:
     """The optimizer over ``params`` (None for the forward+backward-only baselines); ``model``
-    for flashoptim's gradient release, which hooks the model; ``max_grad_norm`` for optstate's."""
+    for flashoptim's gradient release, which hooks the model; ``max_grad_norm`` and further
+    ``wrap()`` keyword ``options`` for optstate's."""
     if not c.has_optimizer:
         return None
+    if options and c.base in ("adamw", "bnb8", "ao_offload", "flashoptim"):
+        raise ValueError(f"options {sorted(options)} are wrap() options: {c.base} is not an optstate contender")
     fused = params[0].is_cuda or None
     if c.base == "adamw":
         return torch.optim.AdamW(params, lr=LR, fused=fused)
@@ -111,7 +114,7 @@ def build(c: Contender, params, model=None, max_grad_norm=None) -> Optional[torc
         return opt
     from ..presets import make_policy, wrap
     return wrap(torch.optim.AdamW(params, lr=LR, fused=fused), make_policy(c.preset), offload=c.offload,
-                release_gradients=c.release, max_grad_norm=max_grad_norm, gpu_budget=c.gpu_budget)
+                release_gradients=c.release, max_grad_norm=max_grad_norm, gpu_budget=c.gpu_budget, **options)
 
 
 def free_gradients_in_hooks(params) -> Callable[[], None]:
