@@ -95,7 +95,7 @@ def build(c: Contender, params, model=None, max_grad_norm=None, **options) -> Op
     ``wrap()`` keyword ``options`` for optstate's."""
     if not c.has_optimizer:
         return None
-    if options and c.base in ("adamw", "bnb8", "ao_offload", "flashoptim"):
+    if options and c.preset is None:
         raise ValueError(f"options {sorted(options)} are wrap() options: {c.base} is not an optstate contender")
     fused = params[0].is_cuda or None
     if c.base == "adamw":
