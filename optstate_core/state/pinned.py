@@ -14,8 +14,9 @@ requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own
 
 **Sharing is off by default** (``OPTSTATE_PINNED_SLAB_BYTES`` unset or 0: every request an
 allocation of its own): the 8B FSDP2 + DCP resume with offloaded state differed between runs in 4
-of 8 runs with shared slabs and in 1 of 5 without (BENCHMARKS.md sections 34 and 35). The cause is a
-timing-dependent ordering, not yet found and not the slabs. ``OPTSTATE_PINNED_SLAB_BYTES=268435456``
+of 8 runs with shared slabs and in 1 of 5 without (BENCHMARKS.md sections 34 and 35). It is not the
+slabs: it shows on one GPU too and enters through a gradient (section 36; most likely attention's
+nondeterministic backward, docs/limitations.md). ``OPTSTATE_PINNED_SLAB_BYTES=268435456``
 (:data:`SLAB_BYTES`) shares slabs up to that size.
 
 Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the
