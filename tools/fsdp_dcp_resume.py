@@ -104,7 +104,7 @@ def describe(a, b, device="cuda") -> dict:
         out.update(first=int(idx[0]), last=int(idx[-1]),
                    pairs=[(i, a[i].item(), b[i].item()) for i in take])
         if a.is_floating_point():
-            ratio = b[idx].double() / a[idx].double()
+            ratio = (b[idx].double() / a[idx].double()).cpu()  # median on the CPU (deterministic mode)
             out.update(ratio_median=float(ratio.median()), ratio_min=float(ratio.min()), ratio_max=float(ratio.max()))
     return out
 
