@@ -1,15 +1,14 @@
 """tools/fsdp_dcp_resume.py's determinism helpers: checksums that locate a difference, element-level
 descriptions, the per-layer census and the --delay specs (the GPU runs are in BENCHMARKS.md 36)."""
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-_ALLOC_CONF = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-import fsdp_dcp_resume as tool  # noqa: E402  (sets the pinned-allocator variable for its own runs)
+from helpers import load_tool
 
+_ALLOC_CONF = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+tool = load_tool("fsdp_dcp_resume")  # (sets the pinned-allocator variable for its own runs)
 if _ALLOC_CONF is None:  # other tests' subprocesses must not inherit the tool's setting
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
 
