@@ -128,18 +128,17 @@ def load_tool(name: str):
 
 _IMPORT_UNDER = """
 import importlib, json, os, sys
+base = dict(os.environ)
 for setting in json.loads(sys.argv[2]):
     for name in [m for m in sys.modules if m == "optstate_core" or m.startswith("optstate_core.")]:
         del sys.modules[name]
-    saved = {k: os.environ.get(k) for k in setting}
-    os.environ.update(setting)
+    os.environ.clear()
+    os.environ.update(base, **setting)
     try:
         importlib.import_module(sys.argv[1])
         print("OUTCOME", json.dumps(None))
     except ValueError as e:
         print("OUTCOME", json.dumps(str(e)))
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 """
 
 

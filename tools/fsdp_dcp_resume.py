@@ -42,9 +42,6 @@ import torch.distributed as dist
 BLOCK = 1 << 16  # bytes per fingerprint checksum
 
 
-STEP_SUMS: list = []  # --determinism: per step, a device checksum of every local parameter shard (no host sync)
-
-
 def param_sums(model) -> torch.Tensor:
     """A checksum of each local parameter shard's bits, queued on the device (read at the end)."""
     return torch.stack([(p._local_tensor if hasattr(p, "_local_tensor") else p).detach().reshape(-1)
