@@ -158,10 +158,11 @@ class Bucket:
             out.append(cur)
         return out
 
-    def tables(self, i: int, device):
+    def tables(self, i: int, device, memo=None):
         """Pointer tables (data, scales) of the i-th state of every parameter (built once: the
-        engine re-plans whenever a state object changes)."""
-        memo = self.memo(device)
+        engine re-plans whenever a state object changes); ``memo``: :meth:`memo` of the current
+        stream when the caller holds it (one stream query per launch)."""
+        memo = self.memo(device) if memo is None else memo
         if i not in memo:
             memo[i] = self._build_tables(i, device)
         return memo[i]
@@ -177,8 +178,8 @@ class Bucket:
                     launch.pointer_table([v.payload.get("scales") for v in values], device))
         return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
 
-    def steps_table(self, device):
-        memo = self.memo(device)
+    def steps_table(self, device, memo=None):
+        memo = self.memo(device) if memo is None else memo
         if "steps" not in memo:
             memo["steps"] = launch.pointer_table([st["step"] for st in self.states], device)
         return memo["steps"]

@@ -223,7 +223,7 @@ class KernelLauncher:
         lr_ptr = lr if lr_tensor else flags
         lr_val = 0.0 if lr_tensor else float(lr)
         m_codec = plan["codecs"][0]
-        M, MS = bucket.tables(0, device)
+        M, MS = bucket.tables(0, device, memo)
         common = dict(NBLK=nblk, ALIGNED=aligned, IDX32=idx32, num_warps=warps, CHECK_FINITE=check,
                       LR_TENSOR=lr_tensor,
                       FIRST=bucket.first, P_KIND=p_kind, MAXIMIZE=bool(group.get("maximize")))
@@ -234,13 +234,13 @@ class KernelLauncher:
                                          if factors is not None else [_one(device).data_ptr()] * n), device)
         if plan["kind"] == "adam":
             v_codec = plan["codecs"][1]
-            V, VS = bucket.tables(1, device)
+            V, VS = bucket.tables(1, device, memo)
             amsgrad = len(plan["keys"]) == 3
-            VM, VMS = bucket.tables(2, device) if amsgrad else (V, VS)
+            VM, VMS = bucket.tables(2, device, memo) if amsgrad else (V, VS)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = decoupled_decay(engine.inner, group)
             torch_fused = bool(plan.get("torch_fused"))
-            CORR = self._bias_corrections(bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
+            CORR = self._bias_corrections(bucket, memo, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance)
             self._run(adam_kernel, n_prog, device, (
                 P, G, GS, M, MS, V, VS, VM, VMS, CORR, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t,
                 tpow2, lr_ptr, lr_val, beta1, beta2, 1.0 - beta1, 1.0 - beta2,  # in float64 on the host
@@ -253,10 +253,10 @@ class KernelLauncher:
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
                 AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
-                maxnreg=maxnreg, **self._master(bucket, device), **common))
+                maxnreg=maxnreg, **self._master(bucket, device, memo), **common))
         elif plan["kind"] == "schedule_free":
             v_codec = plan["codecs"][1]
-            V, VS = bucket.tables(1, device)
+            V, VS = bucket.tables(1, device, memo)
             sc = self.group_scalars[bucket.group_index]
             self._run(schedule_free_adamw_kernel, n_prog, device, (
                 P, G, GS, M, MS, V, VS, flags, SEEDS, STEP, BASE, cols, nbr, nblocks, prog_start, n_t, tpow2,
@@ -302,18 +302,20 @@ class KernelLauncher:
         if self.compile_ahead and kwargs.get("FIRST"):
             compile_ahead.twin(kernel, args, kwargs, device)
 
-    def _bias_corrections(self, bucket, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused, advance) -> torch.Tensor:
+    def _bias_corrections(self, bucket, memo, lr_ptr, lr_val, lr_tensor, beta1, beta2, torch_fused,
+                          advance) -> torch.Tensor:
         """The Adam kernel's CORR table for the coming step (and the step counts advanced, with
         ``advance``), from the per-parameter step counts on the device: per tensor the step size
         and square-rooted second correction (``bias_corrections_kernel``), or for torch's fused
         arithmetic ``[beta1**step, beta2**step]`` by torch's own device ``pow``, whose float32
-        results differ from Triton's libdevice ``powf`` in the last bit for some steps."""
+        results differ from Triton's libdevice ``powf`` in the last bit for some steps. ``memo``:
+        the bucket's tables on the current stream (:meth:`Bucket.memo`)."""
         from .kernels.adam import bias_corrections_kernel
 
         device, n = bucket.params[0].device, len(bucket.params)
         out = torch.empty(n if torch_fused else 3 * n, dtype=torch.float32, device=device)
         self._run(bias_corrections_kernel, n, device,
-                  (bucket.steps_table(device), out, lr_ptr, lr_val,
+                  (bucket.steps_table(device, memo), out, lr_ptr, lr_val,
                    math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30),
                   dict(LR_TENSOR=lr_tensor, ADVANCE=advance, STEP_ONLY=torch_fused))
         if not torch_fused:
@@ -325,13 +327,13 @@ class KernelLauncher:
         return torch.pow(betas, out)  # [2, n]
 
     @staticmethod
-    def _master(bucket, device) -> dict:
-        """Kernel arguments of the master-weight path (the correction's pointer table, its bits);
-        none when the bucket keeps no master weights."""
+    def _master(bucket, device, memo) -> dict:
+        """Kernel arguments of the master-weight path (the correction's pointer table from the
+        bucket's ``memo``, its bits); none when the bucket keeps no master weights."""
         bits = bucket.plan.get("master", 0)
         if not bits:
             return {}
-        return {"C": bucket.tables(len(bucket.plan["keys"]), device)[0], "MASTER": bits}
+        return {"C": bucket.tables(len(bucket.plan["keys"]), device, memo)[0], "MASTER": bits}
 
     def _seeds(self, indices, keys):
         """Counter-hash seeds per (parameter index, state), computed once."""
