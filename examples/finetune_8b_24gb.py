@@ -31,6 +31,8 @@ rest lives in pinned host memory and streams through the GPU each step (all of i
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --optimizer deepspeed-offload --gpu-memory 24GB
     # the recipe against resident state on the whole card, 5 runs each, interleaved in one process
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-memory 24GB --against-resident --repeats 5
+    # repeated runs and resumes that match bit for bit (deterministic attention backward)
+    PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --gpu-memory 24GB --deterministic
     # CPU smoke run (what the tests do)
     PYTHONPATH=.:integrations python examples/finetune_8b_24gb.py --shape tiny --seq 32 --steps 3 --micro-batch 2
 
@@ -130,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="alternate each run with the resident baseline: the same framework, batch and steps with "
                         f"{RESIDENT_PRESET} + release on the whole card (no cap, no budget); prints the ratio of "
                         "the median s/step")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8: repeated "
+                        "runs and resumes match bit for bit (attention's default backward adds dQ in an order that "
+                        "varies; BENCHMARKS.md 37)")
     p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     p.add_argument("--profile-trace", default=None, metavar="PATH",
                    help="write a torch.profiler chrome trace of the two steps after the warm-up here (ranges "
@@ -571,6 +577,7 @@ def measure(args) -> dict:
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": losses, "pinned_gib": pinned_bytes / 2**30, "pinning_s": pinned_s,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
             # host seconds from each step's begin to the next (the last: to the window's synchronised end)
             "step_host_s": [round(b - a, 4) for a, b in zip(timer.starts, timer.starts[1:])],
             "window_allocator": timer.window_allocator,
@@ -670,9 +677,24 @@ def check_available(args) -> None:
                  f"(pip install {module.split('.')[0]}): {e}")
 
 
+def make_deterministic() -> None:
+    """``--deterministic``: deterministic kernels everywhere, before CUDA or cuBLAS start, without
+    torch's fill of every new tensor (a check for reads of uninitialized memory, paid at each
+    allocation; the 8B recipe's losses were the same bit for bit with and without it, BENCHMARKS.md
+    37). Not the Trainer's ``full_determinism=True``, which also sets ``CUDA_LAUNCH_BLOCKING=1``
+    (every launch waits for the GPU: slow) and is the Trainer's alone."""
+    import torch.utils.deterministic
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     check_available(args)
+    if args.deterministic:
+        make_deterministic()
     cap_gpu_memory(args.gpu_memory_bytes)  # before anything is allocated
     print(TABLE_HEAD)
     if args.find_micro_batch:

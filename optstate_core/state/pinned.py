@@ -15,8 +15,9 @@ requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own
 **Sharing is off by default** (``OPTSTATE_PINNED_SLAB_BYTES`` unset or 0: every request an
 allocation of its own): the 8B FSDP2 + DCP resume with offloaded state differed between runs in 4
 of 8 runs with shared slabs and in 1 of 5 without (BENCHMARKS.md sections 34 and 35). It is not the
-slabs: it shows on one GPU too and enters through a gradient (section 36; most likely attention's
-nondeterministic backward, docs/limitations.md). ``OPTSTATE_PINNED_SLAB_BYTES=268435456``
+slabs: it is attention's backward, whose dQ is summed in an order that varies, and no run differed
+under deterministic algorithms (sections 36 and 37, docs/limitations.md); the slabs stay off until a
+deterministic resume with them has run on a GPU. ``OPTSTATE_PINNED_SLAB_BYTES=268435456``
 (:data:`SLAB_BYTES`) shares slabs up to that size.
 
 Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the

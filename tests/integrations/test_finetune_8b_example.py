@@ -45,7 +45,10 @@ def test_each_framework_trains_with_the_offload_preset(tmp_path, framework):
         pytest.importorskip("lightning")
     if framework == "accelerate":
         pytest.importorskip("accelerate")
-    row = run_script(tmp_path, ["--framework", framework, "--preset", "bf16w-4bit-lean-offload", *TINY])
+    deterministic = ["--deterministic"] if framework == "accelerate" else []  # (no framework of its own)
+    row = run_script(tmp_path, ["--framework", framework, "--preset", "bf16w-4bit-lean-offload", *TINY,
+                                *deterministic])
+    assert row["deterministic"] is bool(deterministic)  # read from torch during the run
     assert (row["framework"], row["optimizer"], row["preset"]) == (framework, "optstate", "bf16w-4bit-lean-offload")
     assert row["steps"] == 3 and row["micro_batch"] == 2
     assert len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"])
