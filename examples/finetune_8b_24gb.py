@@ -681,8 +681,9 @@ def make_deterministic() -> None:
     """``--deterministic``: deterministic kernels everywhere, before CUDA or cuBLAS start, without
     torch's fill of every new tensor (a check for reads of uninitialized memory, paid at each
     allocation; the 8B recipe's losses were the same bit for bit with and without it, BENCHMARKS.md
-    37, and tests/test_uninitialized_reads.py checks every preset's step for such reads). Not the Trainer's ``full_determinism=True``, which also sets ``CUDA_LAUNCH_BLOCKING=1``
-    (every launch waits for the GPU: slow) and is the Trainer's alone."""
+    37, and tests/test_uninitialized_reads.py checks every preset's step for such reads). Not the
+    Trainer's ``full_determinism=True``, which also sets ``CUDA_LAUNCH_BLOCKING=1`` (every launch
+    waits for the GPU: slow) and is the Trainer's alone."""
     import torch.utils.deterministic
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

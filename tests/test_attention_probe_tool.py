@@ -38,6 +38,7 @@ def test_a_differing_gradient_is_counted_with_its_largest_difference(monkeypatch
     (["--backends", "fast"], "--backends"),
     (["--trials", "0"], "--trials"),
     (["--heads", "6", "--kv-heads", "4"], "--heads"),
+    (["--busy-mib", "-1"], "--busy-mib"),
 ])
 def test_bad_arguments_are_refused_by_name(capsys, argv, name):
     with pytest.raises(SystemExit) as e:

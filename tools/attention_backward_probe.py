@@ -45,13 +45,15 @@ def parse_args(argv=None):
     for flag in ("trials", "seq", "heads", "kv_heads", "head_dim"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if a.busy_mib < 0:
+        p.error("--busy-mib must be at least 0")
     if a.heads % a.kv_heads:
         p.error("--heads must be a multiple of --kv-heads")
     return a
 
 
 def inputs(a, seed=0):
-    """Query, key, value (bf16, requiring grad) and the upstream gradient, from one seed."""
+    """Query, key, value and the upstream gradient from one seed (bf16 on a GPU, fp32 on the CPU)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     dtype = torch.bfloat16 if a.device != "cpu" else torch.float32
 
