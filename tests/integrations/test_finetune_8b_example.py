@@ -1,6 +1,7 @@
 """examples/finetune_8b_24gb.py: each framework trains a tiny Llama on CPU with the recipe
 (bf16 weights, checkpointing, chunked loss, gradient release), the peers' baseline runs, and bad
-arguments are refused by name; on a GPU, a 0.95B model trains under a 12 GB cap."""
+arguments are refused by name; on a GPU, a 0.95B model trains under a 12 GB cap, and its
+``--deterministic`` runs repeat bit for bit."""
 import gc
 import importlib.util
 import json
@@ -154,6 +155,18 @@ def test_trainer_fits_a_095b_model_under_a_12gb_cap(tmp_path):
     assert row["steps"] == 4
     assert row["peak_gib"] <= 12e9 / 2**30
     assert row["loss_last"] < row["loss_first"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_runs_repeat_bit_for_bit_on_a_gpu(tmp_path):
+    """--deterministic: two runs in one process give the same losses bit for bit (without it,
+    attention's default backward sums dQ in an order that varies: BENCHMARKS.md 37)."""
+    rows = run_script(tmp_path, ["--shape", "0.95b", "--micro-batch", "1", "--seq", "1024", "--steps", "4",
+                                 "--gpu-memory", "12GB", "--repeats", "2", "--deterministic"], timeout=600, lines=3)
+    first, second = rows[0], rows[1]
+    assert first["deterministic"] and second["deterministic"]
+    assert len(first["losses"]) == 4 and first["losses"] == second["losses"]
 
 
 def test_step_timer_times_the_first_step_alone_and_the_rest_as_one_window(monkeypatch):
