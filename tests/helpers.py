@@ -154,6 +154,18 @@ def import_outcomes(module: str, settings) -> list:
     return [json.loads(line[len("OUTCOME "):]) for line in run.stdout.splitlines() if line.startswith("OUTCOME ")]
 
 
+def local_tensors(tree, prefix=""):
+    """Every tensor of a nested state dict (lists, dicts, DTensors as their local shard), by path,
+    detached on the CPU and cloned."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: getattr(tree, "_local_tensor", tree).detach().cpu().clone()}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in local_tensors(sub, f"{prefix}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in local_tensors(sub, f"{prefix}/{i}").items()}
+    return {}
+
+
 def recording_arena(slab_bytes=None):
     """A pinned arena over ordinary host memory (the suite has no CUDA) that records the byte sizes
     of the allocations it makes (``.asked``); ``slab_bytes`` as :class:`PinnedArena`'s."""

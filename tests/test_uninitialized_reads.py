@@ -6,21 +6,8 @@ import pytest
 import torch
 
 import optstate_core as oc
-from helpers import mlp, train_steps, two_groups
+from helpers import local_tensors, mlp, train_steps, two_groups
 from optstate_core.presets import PRESETS
-
-
-def nested_tensors(x, out):
-    """Every tensor of a state dict, in a fixed order."""
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, dict):
-        for _, v in sorted(x.items(), key=lambda kv: str(kv[0])):
-            nested_tensors(v, out)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            nested_tensors(v, out)
-    return out
 
 
 def train(preset, filled, steps, **options):
@@ -38,7 +25,7 @@ def train(preset, filled, steps, **options):
             oc.cast_model(model)
         opt = oc.wrap(torch.optim.AdamW(two_groups(model)), preset, **options)
         losses = train_steps(model, opt, steps)
-        return losses, [p.detach().clone() for p in model.parameters()], nested_tensors(opt.state_dict(), [])
+        return losses, [p.detach().clone() for p in model.parameters()], local_tensors(opt.state_dict())
     finally:
         torch.use_deterministic_algorithms(before[0])
         det.fill_uninitialized_memory = before[1]
@@ -47,7 +34,7 @@ def train(preset, filled, steps, **options):
 def assert_same_run(a, b):
     assert a[0] == b[0]  # losses
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))  # parameters
-    assert len(a[2]) == len(b[2]) and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))  # every state tensor
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])  # every state tensor
 
 
 @pytest.mark.parametrize("release", [False, True], ids=["", "release"])

@@ -158,11 +158,10 @@ class Bucket:
             out.append(cur)
         return out
 
-    def tables(self, i: int, device, memo=None):
-        """Pointer tables (data, scales) of the i-th state of every parameter (built once: the
-        engine re-plans whenever a state object changes); ``memo``: :meth:`memo` of the current
-        stream when the caller holds it (one stream query per launch)."""
-        memo = self.memo(device) if memo is None else memo
+    def tables(self, i: int, device, memo):
+        """Pointer tables (data, scales) of the i-th state of every parameter, kept in ``memo``
+        (:meth:`memo` of the current stream, which the launch holds: one stream query per launch;
+        built once: the engine re-plans whenever a state object changes)."""
         if i not in memo:
             memo[i] = self._build_tables(i, device)
         return memo[i]
@@ -178,8 +177,8 @@ class Bucket:
                     launch.pointer_table([v.payload.get("scales") for v in values], device))
         return launch.pointer_table(values, device), launch.pointer_table([None] * len(values), device)
 
-    def steps_table(self, device, memo=None):
-        memo = self.memo(device) if memo is None else memo
+    def steps_table(self, device, memo):
+        """Pointer table of every parameter's step counter, kept in ``memo`` (as :meth:`tables`)."""
         if "steps" not in memo:
             memo["steps"] = launch.pointer_table([st["step"] for st in self.states], device)
         return memo["steps"]

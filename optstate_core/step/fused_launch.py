@@ -184,7 +184,7 @@ class KernelLauncher:
 
         if bucket.plan["kind"] == "adam":
             device = bucket.params[0].device
-            self._run(advance_steps_kernel, len(bucket.params), device, (bucket.steps_table(device),), {})
+            self._run(advance_steps_kernel, len(bucket.params), device, (bucket.steps_table(device, bucket.memo(device)),), {})
 
     def launch(self, bucket, flags=None, advance: bool = True) -> None:
         """One launch of the update kernel over a bucket. ``flags``: the parent bucket's

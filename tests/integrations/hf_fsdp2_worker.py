@@ -24,6 +24,7 @@ import optstate_hf  # noqa: E402
 from hf_testlib import tiny_dataset, tiny_model, training_args  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 from job_exit import end_rank  # noqa: E402
+from helpers import local_tensors  # noqa: E402
 
 SAVE_AT, STEPS = 3, 6
 
@@ -50,16 +51,6 @@ class CpuFsdpTrainer(Trainer):
         self.accelerator.state.distributed_type = DistributedType.FSDP
         self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
         self.is_fsdp_enabled = True
-
-
-def local_tensors(tree, prefix=""):
-    if isinstance(tree, torch.Tensor):
-        return {prefix: getattr(tree, "_local_tensor", tree).detach().cpu().clone()}
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in local_tensors(sub, f"{prefix}/{key}").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, sub in enumerate(tree) for k, v in local_tensors(sub, f"{prefix}/{i}").items()}
-    return {}
 
 
 class ReleaseCounter(TrainerCallback):

@@ -14,22 +14,14 @@ import sys
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import optstate_core as oc
-from job_exit import end_rank
-from lightning_helpers import Regressor, loader, trainer
-from optstate_lightning import OptStateCallback
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+import optstate_core as oc  # noqa: E402
+from helpers import local_tensors  # noqa: E402
+from job_exit import end_rank  # noqa: E402
+from lightning_helpers import Regressor, loader, trainer  # noqa: E402
+from optstate_lightning import OptStateCallback  # noqa: E402
 
 ACCUM, EPOCHS, CLIP, N = 2, 2, 0.5, 96  # 48 samples per rank: 6 batches of 8, 3 steps per epoch
-
-
-def local_tensors(tree, prefix=""):
-    if isinstance(tree, torch.Tensor):
-        return {prefix: getattr(tree, "_local_tensor", tree).detach().cpu().clone()}
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in local_tensors(sub, f"{prefix}/{key}").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, sub in enumerate(tree) for k, v in local_tensors(sub, f"{prefix}/{i}").items()}
-    return {}
 
 
 class ShardedRegressor(Regressor):
