@@ -101,3 +101,44 @@ def test_a_launch_over_one_tensor_is_the_variant_of_a_launch_over_several():
         do_not_specialize = ()
 
     assert key(Specializing, 3) == key(Specializing, 5) != key(Specializing, 1) != key(Specializing, 32)
+
+
+class _Compiled:
+    """A compiled variant as Triton returns it: ``_init_handles`` loads it (and builds its launcher)."""
+
+    def __init__(self, fail=False):
+        self.loaded, self.fail = 0, fail
+
+    def _init_handles(self):
+        if self.fail:
+            raise RuntimeError("launcher build failed")
+        self.loaded += 1
+
+
+class _Kernel:
+    __name__ = "fake_kernel"
+
+    def __init__(self, compiled):
+        self.compiled, self.calls = compiled, []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append((args, grid, kwargs))
+        return self.compiled
+
+
+@pytest.mark.parametrize("compiled", [_Compiled(), object()], ids=["triton-3.6", "without-init-handles"])
+def test_the_worker_loads_what_it_compiles(monkeypatch, compiled):
+    """The worker compiles a variant and loads it (module and launcher), so that its first launch
+    on the training thread does neither; a Triton without ``_init_handles`` is only compiled."""
+    monkeypatch.setattr(compile_ahead, "_STATS", dict(compile_ahead._STATS, compiled=0, failed=0))
+    kernel = _Kernel(compiled)
+    assert compile_ahead._compile(kernel, (1, 2), {"FIRST": False}, torch.device("cpu")) is True
+    assert kernel.calls == [((1, 2), (1,), {"FIRST": False})]
+    assert getattr(compiled, "loaded", 1) == 1
+    assert compile_ahead.stats()["compiled"] == 1 and compile_ahead.stats()["failed"] == 0
+
+
+def test_a_load_that_fails_is_left_to_the_launch(monkeypatch):
+    monkeypatch.setattr(compile_ahead, "_STATS", dict(compile_ahead._STATS, compiled=0, failed=0))
+    assert compile_ahead._compile(_Kernel(_Compiled(fail=True)), (), {}, torch.device("cpu")) is False
+    assert compile_ahead.stats()["failed"] == 1 and compile_ahead.stats()["compiled"] == 0

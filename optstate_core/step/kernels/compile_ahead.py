@@ -13,8 +13,10 @@ kinds of variant are known before they are needed:
   unchanged within its spread; compiling the twins only from the first step's end left both
   steps as slow as without (BENCHMARKS.md section 33).
 
-One worker thread compiles them (``JITFunction.warmup``: compiled and cached, not launched); a
-launch that needs a variant still compiling waits for it instead of compiling it twice. Only on
+One worker thread compiles them (``JITFunction.warmup``: compiled and cached, not launched) and
+loads each (``CompiledKernel._init_handles``: the module loaded into the CUDA context and, in Triton
+3.6, the launcher built, a C module gcc compiles per variant; otherwise the first launch does both);
+a launch that needs a variant still compiling waits for it instead of compiling it twice. Only on
 CUDA, not under ``TRITON_INTERPRET=1``. ``OPTSTATE_COMPILE_AHEAD=0`` turns it off. With the update
 kernels compiled for any tensor count (``kernels/adam.py: UNSPECIALIZED``) the 8B recipe's first
 step compiles one update-kernel variant, 3.7 s with Triton's cache empty (section 34).
@@ -76,8 +78,12 @@ def busy() -> bool:
 def _compile(kernel, args: tuple, kwargs: dict, device: torch.device) -> bool:
     t0 = time.perf_counter()
     try:
-        torch.cuda.set_device(device)
-        kernel.warmup(*args, grid=(1,), **kwargs)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        load = getattr(compiled, "_init_handles", None)
+        if load is not None:  # the module loaded and its launcher built here, not at the first launch
+            load()
         _STATS["compiled"] += 1
         return True
     except Exception as exc:  # noqa: BLE001 - the launch compiles it then, as without compiling ahead
