@@ -109,7 +109,7 @@ def _run(preset, ahead: bool, monkeypatch, steps=2, **options):
     return ps, opt, predicted, engine.pinned.asked, pool
 
 
-@pytest.mark.parametrize("slab_bytes", [None, "256", "268435456"], ids=["default-own", "small-slabs", "slabs"])
+@pytest.mark.parametrize("slab_bytes", ["0", "256", None], ids=["own", "small-slabs", "default-slabs"])
 @pytest.mark.parametrize("preset,options", [("bf16w-4bit-lean-offload", {}),
                                             ("bf16w-4bit-lean", {"gpu_budget": "24KB"})],
                          ids=["offload", "budget"])

@@ -31,8 +31,9 @@ def test_a_slab_holds_one_dtype():
 def test_slabs_grow_from_small_to_the_largest_size_per_dtype(monkeypatch):
     """A dtype's first slab is MIN_SLAB_BYTES and each next one at least as large as all it was
     handed so far (a power of two), up to the largest slab; a larger request has its own
-    allocation; by default (and with OPTSTATE_PINNED_SLAB_BYTES=0) every request has its own, the
-    variable sets the largest slab, anything but an integer >= 0 is refused by name."""
+    allocation; by default the largest slab is SLAB_BYTES, with OPTSTATE_PINNED_SLAB_BYTES=0 every
+    request has its own, the variable sets the largest slab, anything but an integer >= 0 is
+    refused by name."""
     monkeypatch.delenv("OPTSTATE_PINNED_SLAB_BYTES", raising=False)
     monkeypatch.setattr(pinned, "MIN_SLAB_BYTES", 64)
     arena = PinnedArena(slab_bytes=1024, pin=False)
@@ -44,12 +45,11 @@ def test_slabs_grow_from_small_to_the_largest_size_per_dtype(monkeypatch):
     assert sizes[:4] == [128, 128, 256, 256] and sizes[-1] == 1024
     big = arena.take(300, torch.float32, (300,))
     assert big.untyped_storage().nbytes() == 1200 and arena.take(1, torch.int8, (1,)).untyped_storage().nbytes() == 64
-    for value in (None, "0"):
-        if value is not None:
-            monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", value)
-        arena = PinnedArena(pin=False)
-        a, b = arena.take(5, torch.float32, (5,)), arena.take(7, torch.float32, (7,))
-        assert (a.untyped_storage().nbytes(), b.untyped_storage().nbytes()) == (32, 32)  # 16-byte padded, own
+    assert PinnedArena(pin=False).slab_bytes == pinned.SLAB_BYTES  # the default: shared slabs
+    monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "0")
+    arena = PinnedArena(pin=False)
+    a, b = arena.take(5, torch.float32, (5,)), arena.take(7, torch.float32, (7,))
+    assert (a.untyped_storage().nbytes(), b.untyped_storage().nbytes()) == (32, 32)  # 16-byte padded, own
     monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", str(pinned.SLAB_BYTES))
     assert PinnedArena(pin=False).slab_bytes == pinned.SLAB_BYTES
     monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "256MB")

@@ -12,13 +12,12 @@ side, so their copies merge. Llama-3-8B shapes, ``bf16w-4bit-lean-offload``: 15.
 requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own
 (``tools/pinned_footprint.py``, BENCHMARKS.md section 33).
 
-**Sharing is off by default** (``OPTSTATE_PINNED_SLAB_BYTES`` unset or 0: every request an
-allocation of its own): the 8B FSDP2 + DCP resume with offloaded state differed between runs in 4
-of 8 runs with shared slabs and in 1 of 5 without (BENCHMARKS.md sections 34 and 35). It is not the
-slabs: it is attention's backward, whose dQ is summed in an order that varies, and no run differed
-under deterministic algorithms (sections 36 and 37, docs/limitations.md); the slabs stay off until a
-deterministic resume with them has run on a GPU. ``OPTSTATE_PINNED_SLAB_BYTES=268435456``
-(:data:`SLAB_BYTES`) shares slabs up to that size.
+**Sharing is on by default** (slabs up to :data:`SLAB_BYTES`; ``OPTSTATE_PINNED_SLAB_BYTES=0``: every
+request an allocation of its own). It was off from section 34 to 38 of BENCHMARKS.md: the 8B FSDP2 +
+DCP resume with offloaded state differed between runs in 4 of 8 runs with shared slabs and 1 of 5
+without. That was attention's backward, whose dQ is summed in an order that varies (sections 36 and
+37, docs/limitations.md): under deterministic algorithms, two 8B resumes and five repeated runs on
+2 GPUs with shared slabs were bit for bit equal (section 38).
 
 Requests can be pinned ahead: :class:`PinAhead` pins a list of predicted sizes on a thread, and the
 arena serves requests of those sizes from it (``schedule/pin_ahead.py`` predicts the first step's
@@ -40,7 +39,7 @@ from .units import env_count
 log = logging.getLogger("optstate.pinned")
 
 SLAB_BYTES = 2**28  # the largest shared slab to ask for (a power of two: torch's pinned allocator rounds up to one)
-DEFAULT_SLAB_BYTES = 0  # shared slabs off unless OPTSTATE_PINNED_SLAB_BYTES asks (see the module doc)
+DEFAULT_SLAB_BYTES = SLAB_BYTES  # shared slabs unless OPTSTATE_PINNED_SLAB_BYTES=0 (see the module doc)
 MIN_SLAB_BYTES = 2**20  # the first slab of a dtype (unless SLAB_BYTES is smaller)
 MIN_ROOM_BYTES = 64  # a slab with less room left is full: later requests no longer look at it
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
@@ -187,7 +186,8 @@ class _Fills:
 
 class PinnedArena:
     """Hands out views of pinned slabs, one dtype per slab (``pin=False``: ordinary host memory, for
-    tests); ``slab_bytes``: the largest slab (0, the default: an allocation per request).
+    tests); ``slab_bytes``: the largest slab (0: an allocation per request; default
+    ``OPTSTATE_PINNED_SLAB_BYTES`` or :data:`SLAB_BYTES`).
 
     A request goes to the oldest slab of its dtype with room for it (first fit: a large request
     that skips a slab's end leaves that room to later, smaller ones), else to a new slab."""
