@@ -47,7 +47,10 @@ first and last loss); ``--json PATH`` appends the same fields as a JSON line (an
 memory the run asked for, with the seconds the training thread spent pinning or waiting for it: the
 state is pinned on a thread from wrap() on, see ``optstate_core/schedule/pin_ahead.py``). ``--repeats N`` runs N times in one process;
 ``--against-resident`` alternates each run with the resident baseline on the whole card and prints
-both medians and their ratio (the JSON gets a last ``"role": "summary"`` line).
+both medians and their ratio (the JSON gets a last ``"role": "summary"`` line). The process's first
+run starts cuBLAS and attention on a thread while it builds the model (on a fresh machine the first
+attention backward alone takes 2.3 s; ``optstate_core/apps/warm_start.py``, ``--no-warm-start``: not);
+its JSON has ``since_start_s``, the seconds from the script's start to the first step's end.
 
 Several GPUs (``torchrun --nproc-per-node N`` or ``accelerate launch``; WORLD_SIZE > 1): the
 Trainer gets ``fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True,
@@ -71,6 +74,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+STARTED = time.perf_counter()  # the script's start: the JSON's ``since_start_s`` counts from here
 
 # Before torch allocates anything (unless the caller set it): pinned host memory from malloc'ed pages
 # touched by 8 threads and then registered, ~5x faster to get than cudaHostAlloc (16 GiB in 2.4 s
@@ -136,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8: repeated "
                         "runs and resumes match bit for bit (attention's default backward adds dQ in an order that "
                         "varies; BENCHMARKS.md 37)")
+    p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="do not load CUDA's libraries on a thread while the model is built (by default the "
+                        "process's first run does: optstate_core/apps/warm_start.py)")
     p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     p.add_argument("--profile-trace", default=None, metavar="PATH",
                    help="write a torch.profiler chrome trace of the two steps after the warm-up here (ranges "
@@ -332,6 +340,7 @@ class StepTimer:
         self._profiler, self._range = None, None
         self.warmup = max(0, min(warmup, steps - 1))  # steps before the window (the first among them)
         self.first_s = None
+        self.first_end = None  # host clock at the first step's (synchronised) end
         self.window_s = None  # mean seconds per step over the window
         self.first_peak = None  # CUDA: bytes at the peak of model setup and the first step
         self.losses = []
@@ -364,7 +373,7 @@ class StepTimer:
         now = time.perf_counter()
         self._profile_end()
         if self._i == 0:
-            self.first_s = now - self._t0
+            self.first_s, self.first_end = now - self._t0, now
             if torch.cuda.is_available():  # the peak of setup and the first step; later steps measured apart
                 self.first_peak = torch.cuda.max_memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
@@ -546,6 +555,30 @@ RUNNERS = {"trainer": run_trainer, "lightning": run_lightning, "accelerate": run
 
 
 # -- one measured run -------------------------------------------------------------------------------------
+_PROCESS = {"runs": 0, "warm_start": None}  # this process's runs so far and its warm start
+
+
+def attention_shape(args):
+    """``(heads, kv_heads, head_dim)`` of the model ``args`` name (a checkpoint's config or a shape)."""
+    if args.model is not None:
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(args.model)
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        return heads, kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    from optstate_core.apps.llama import NAMED_SHAPES
+    shape = NAMED_SHAPES[args.shape]
+    return shape.heads, shape.kv_heads, shape.hidden // shape.heads
+
+
+def start_warm_start(args):
+    """In the process's first run: CUDA's libraries loaded on a thread while the model is built."""
+    if args.warm_start and _PROCESS["runs"] == 0 and torch.cuda.is_available():
+        from optstate_core.apps import warm_start
+        _PROCESS["warm_start"] = warm_start.start(device(), *attention_shape(args))
+    return _PROCESS["warm_start"]
+
+
 def measure(args) -> dict:
     """Train ``args.steps`` steps; the measured row (``--preset plan`` resolved for this run's micro-batch)."""
     args = resolve_plan(args)
@@ -556,6 +589,9 @@ def measure(args) -> dict:
         torch.cuda.reset_peak_memory_stats(device())
     torch.manual_seed(args.seed)
     timer = StepTimer(args.steps, trace=args.profile_trace)
+    first_run = _PROCESS["runs"] == 0
+    warm = start_warm_start(args) if first_run else None
+    _PROCESS["runs"] += 1
     pinned_bytes, pinned_s = pinning_totals()
     try:
         model = RUNNERS[args.framework](args, timer)
@@ -581,7 +617,10 @@ def measure(args) -> dict:
             # host seconds from each step's begin to the next (the last: to the window's synchronised end)
             "step_host_s": [round(b - a, 4) for a, b in zip(timer.starts, timer.starts[1:])],
             "window_allocator": timer.window_allocator,
-            "compiled_ahead": compile_ahead.stats()}  # this process's kernel compiles on the worker so far
+            "compiled_ahead": compile_ahead.stats(),  # this process's kernel compiles on the worker so far
+            # from the script's start to the first step's end (the process's first run only)
+            "since_start_s": timer.first_end - STARTED if first_run and timer.first_end is not None else None,
+            "warm_start": warm.summary() if warm is not None else None}  # this process's kernel compiles on the worker so far
 
 
 def table_row(r: dict) -> str:

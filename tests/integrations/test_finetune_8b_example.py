@@ -98,6 +98,10 @@ def test_against_resident_alternates_the_runs_in_one_process_and_reports_their_r
     assert summary["resident_s"] == pytest.approx((runs[1]["step_s"] + runs[3]["step_s"]) / 2)
     assert summary["tokens_per_s_vs_resident"] == pytest.approx(summary["resident_s"] / summary["recipe_s"])
     assert summary["first_step_s"] == runs[0]["first_step_s"]
+    # the wait from the script's start to the first step's end: the process's first run only
+    assert runs[0]["since_start_s"] > runs[0]["first_step_s"] > 0
+    assert [r["since_start_s"] for r in runs[1:]] == [None] * 3
+    assert all(r["warm_start"] is None for r in runs)  # CPU: nothing to warm
 
 
 @pytest.mark.parametrize("argv, name", [
@@ -155,17 +159,21 @@ def test_trainer_fits_a_095b_model_under_a_12gb_cap(tmp_path):
     assert row["steps"] == 4
     assert row["peak_gib"] <= 12e9 / 2**30
     assert row["loss_last"] < row["loss_first"]
+    assert row["warm_start"]["error"] is None and row["warm_start"]["seconds"] > 0  # CUDA's libraries, warmed
+    assert row["since_start_s"] > row["first_step_s"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_deterministic_runs_repeat_bit_for_bit_on_a_gpu(tmp_path):
     """--deterministic: two runs in one process give the same losses bit for bit (without it,
-    attention's default backward sums dQ in an order that varies: BENCHMARKS.md 37)."""
+    attention's default backward sums dQ in an order that varies: BENCHMARKS.md 37); the first run
+    warm-started, the second not: the warm start changes no bit of training."""
     rows = run_script(tmp_path, ["--shape", "0.95b", "--micro-batch", "1", "--seq", "1024", "--steps", "4",
                                  "--gpu-memory", "12GB", "--repeats", "2", "--deterministic"], timeout=600, lines=3)
     first, second = rows[0], rows[1]
     assert first["deterministic"] and second["deterministic"]
+    assert first["warm_start"]["error"] is None and second["warm_start"] is None
     assert len(first["losses"]) == 4 and first["losses"] == second["losses"]
 
 
