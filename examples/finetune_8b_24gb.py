@@ -142,8 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "runs and resumes match bit for bit (attention's default backward adds dQ in an order that "
                         "varies; BENCHMARKS.md 37)")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
-                   help="do not load CUDA's libraries on a thread while the model is built (by default the "
-                        "process's first run does: optstate_core/apps/warm_start.py)")
+                   help="do not start cuBLAS and attention on a thread while the model is built (by default "
+                        "the process's first run does: optstate_core/apps/warm_start.py)")
     p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     p.add_argument("--profile-trace", default=None, metavar="PATH",
                    help="write a torch.profiler chrome trace of the two steps after the warm-up here (ranges "
@@ -555,7 +555,7 @@ RUNNERS = {"trainer": run_trainer, "lightning": run_lightning, "accelerate": run
 
 
 # -- one measured run -------------------------------------------------------------------------------------
-_PROCESS = {"runs": 0, "warm_start": None}  # this process's runs so far and its warm start
+_PROCESS = {"runs": 0}  # this process's runs so far
 
 
 def attention_shape(args):
@@ -572,11 +572,11 @@ def attention_shape(args):
 
 
 def start_warm_start(args):
-    """In the process's first run: CUDA's libraries loaded on a thread while the model is built."""
-    if args.warm_start and _PROCESS["runs"] == 0 and torch.cuda.is_available():
-        from optstate_core.apps import warm_start
-        _PROCESS["warm_start"] = warm_start.start(device(), *attention_shape(args))
-    return _PROCESS["warm_start"]
+    """cuBLAS and attention started on a thread while the model is built (None: off, or not on CUDA)."""
+    if not args.warm_start or not torch.cuda.is_available():
+        return None
+    from optstate_core.apps import warm_start
+    return warm_start.start(device(), *attention_shape(args))
 
 
 def measure(args) -> dict:
@@ -620,7 +620,7 @@ def measure(args) -> dict:
             "compiled_ahead": compile_ahead.stats(),  # this process's kernel compiles on the worker so far
             # from the script's start to the first step's end (the process's first run only)
             "since_start_s": timer.first_end - STARTED if first_run and timer.first_end is not None else None,
-            "warm_start": warm.summary() if warm is not None else None}  # this process's kernel compiles on the worker so far
+            "warm_start": warm.summary() if warm is not None else None}  # None: not this run, or not on CUDA
 
 
 def table_row(r: dict) -> str:
