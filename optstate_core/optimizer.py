@@ -270,13 +270,22 @@ class VirtualOptimizer(torch.optim.Optimizer):
         if engine.gradient_release.release:
             follow_parameters(engine, defer_data_parallel=True)
 
+    def _hooks(self, kind: str) -> list:
+        """``(optimizer, hook)`` of one kind of state_dict hook: the wrapped optimizer's own first (a
+        library's registrations, e.g. heavyball's schedule stats, run as torch would run them on it),
+        then the wrapper's (the user's)."""
+        inner = self._engine.inner
+        own, ours = getattr(inner, kind, None), getattr(self, kind)
+        first = [(inner, h) for h in own.values()] if own and own is not ours else []
+        return first + [(self, h) for h in ours.values()]
+
     def state_dict(self) -> dict:
         """Encoded state (tensors and primitives only), torch's group format, a format version."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+        for opt, hook in self._hooks("_optimizer_state_dict_pre_hooks"):
+            hook(opt)
         out = checkpoint.build_state_dict(self._engine, self.param_groups)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
+        for opt, hook in self._hooks("_optimizer_state_dict_post_hooks"):
+            result = hook(opt, out)
             if result is not None:
                 out = result
         return out
@@ -285,15 +294,15 @@ class VirtualOptimizer(torch.optim.Optimizer):
         """Load our own format or a plain torch optimizer state_dict (migration)."""
         checkpoint.check_is_state_dict(state_dict)
         state_dict = dict(state_dict)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
+        for opt, hook in self._hooks("_optimizer_load_state_dict_pre_hooks"):
+            result = hook(opt, state_dict)
             if result is not None:
                 state_dict = result
         state_dict, masters = master_weights.prepare_load(self._engine, self.param_groups, state_dict)
         checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
         master_weights.apply_masters(self._engine, masters)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for opt, hook in self._hooks("_optimizer_load_state_dict_post_hooks"):
+            hook(opt)
 
     def export_state_dict(self, device="cpu") -> dict:
         """A plain torch state_dict (decoded state) that the unwrapped optimizer can load. With

@@ -103,6 +103,51 @@ def test_hooks_fire_once_per_step_not_per_chunk():
     assert calls == ["global", "pre", "post"] * 2
 
 
+class _ScheduledAdamW(torch.optim.AdamW):
+    """An optimizer that keeps a schedule outside its state and saves it through its own state_dict
+    hooks, as heavyball's do (a post hook adds it, a load pre hook reads it, a load post hook runs)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.schedule_position, self.calls = 0, []
+        self.register_state_dict_pre_hook(lambda o: o.calls.append("pre"))
+        self.register_state_dict_post_hook(_ScheduledAdamW._store)
+        self.register_load_state_dict_pre_hook(_ScheduledAdamW._load)
+        self.register_load_state_dict_post_hook(lambda o: o.calls.append("loaded"))
+
+    def step(self, closure=None):
+        self.schedule_position += 1
+        return super().step(closure)
+
+    @staticmethod
+    def _store(opt, state_dict):
+        opt.calls.append("post")
+        state_dict["schedule"] = {"position": opt.schedule_position}
+
+    @staticmethod
+    def _load(opt, state_dict):
+        opt.calls.append("load")
+        opt.schedule_position = state_dict["schedule"]["position"]
+
+
+def test_the_wrapped_optimizers_own_state_dict_hooks_run_once_on_it():
+    """Hooks the wrapped optimizer registered on itself run on it, once each, in torch's order, before
+    the wrapper's own: what they save is in the wrapper's checkpoint and comes back on load."""
+    model = mlp(width=128)
+    inner = _ScheduledAdamW(model.parameters(), lr=1e-3)
+    opt = oc.wrap(inner)
+    mine = []
+    opt.register_state_dict_post_hook(lambda o, sd: mine.append(("post", o is opt, "schedule" in sd)))
+    train_steps(model, opt, 3)
+    saved = opt.state_dict()
+    assert saved["schedule"] == {"position": 3} and inner.calls == ["pre", "post"]
+    assert mine == [("post", True, True)]  # the wrapper's hook runs after the inner's, on the wrapper
+    fresh_inner = _ScheduledAdamW(model.parameters(), lr=1e-3)
+    fresh = oc.wrap(fresh_inner)
+    fresh.load_state_dict(saved)
+    assert fresh_inner.schedule_position == 3 and fresh_inner.calls == ["load", "loaded"]
+
+
 def test_state_is_a_real_mapping_with_one_entry_per_param():
     model = mlp(width=128)
     model[2].weight.requires_grad_(False)

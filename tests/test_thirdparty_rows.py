@@ -67,6 +67,9 @@ RESUME_DIFFERS = {
     "pytorch_optimizer:StableSPAM": "overrides state_dict()/load_state_dict() to save its gradient masks",
     "pytorch_optimizer:AdaFactor": "its load_state_dict() restores a bf16 momentum that torch's loading casts",
     "heavyball:PSGDKron": "its load_state_dict() restores bf16 state that torch's loading casts to fp32",
+    "heavyball:LATHER": "its own resume does not repeat its uninterrupted run (3 of the MLP's 6 tensors differ; "
+                        "its state_dict() drops its groups' private keys), and the wrapper's, which saves what "
+                        "torch saves, differs from that in 1 tensor (2026-11-28, heavyball 3.2.1)",
 }
 
 
