@@ -271,9 +271,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
             follow_parameters(engine, defer_data_parallel=True)
 
     def _hooks(self, kind: str) -> list:
-        """``(optimizer, hook)`` of one kind of state_dict hook: the wrapped optimizer's own first (a
-        library's registrations, e.g. heavyball's schedule stats, run as torch would run them on it),
-        then the wrapper's (the user's)."""
+        """``(optimizer, hook)`` of one kind of state_dict hook: the wrapped optimizer's own on it first
+        (a library's, e.g. heavyball's schedule stats), then the wrapper's (the user's)."""
         inner = self._engine.inner
         own, ours = getattr(inner, kind, None), getattr(self, kind)
         first = [(inner, h) for h in own.values()] if own and own is not ours else []
