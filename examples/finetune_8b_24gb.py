@@ -561,11 +561,8 @@ _PROCESS = {"runs": 0}  # this process's runs so far
 def attention_shape(args):
     """``(heads, kv_heads, head_dim)`` of the model ``args`` name (a checkpoint's config or a shape)."""
     if args.model is not None:
-        from transformers import AutoConfig
-        cfg = AutoConfig.from_pretrained(args.model)
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        return heads, kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        from optstate_core.apps.model_shapes import attention_shape as config_attention, load_config
+        return config_attention(load_config(str(Path(args.model) / "config.json")))
     from optstate_core.apps.llama import NAMED_SHAPES
     shape = NAMED_SHAPES[args.shape]
     return shape.heads, shape.kv_heads, shape.hidden // shape.heads

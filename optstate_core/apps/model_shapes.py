@@ -74,14 +74,20 @@ def config_shapes(config: dict) -> NamedShapes:
     return _llama_shapes(config, model_type)
 
 
+def attention_shape(c: dict) -> Tuple[int, int, int]:
+    """``(heads, kv_heads, head_dim)`` of a Llama-family ``config.json`` (its language model's)."""
+    if "text_config" in c and "hidden_size" not in c:
+        c = c["text_config"]
+    heads = _get(c, "num_attention_heads")
+    return heads, _get(c, "num_key_value_heads", default=heads), c.get("head_dim") or _get(c, "hidden_size") // heads
+
+
 def _llama_shapes(c: dict, model_type: str) -> NamedShapes:
     vocab = _get(c, "vocab_size")
     hidden = _get(c, "hidden_size")
     inter = _get(c, "intermediate_size")
     layers = _get(c, "num_hidden_layers")
-    heads = _get(c, "num_attention_heads")
-    kv = _get(c, "num_key_value_heads", default=heads)
-    head_dim = c.get("head_dim") or hidden // heads
+    heads, kv, head_dim = attention_shape(c)
     qkv_bias = bool(c.get("attention_bias", False)) or model_type == "qwen2"
     o_bias = bool(c.get("attention_bias", False))
     mlp_bias = bool(c.get("mlp_bias", False))
