@@ -30,10 +30,10 @@ def train_steps(model, opt, steps: int, seed: int = 1, closure: bool = False):
     """Train on a fixed stream of batches (cast to the parameters' dtype, e.g. after cast_model);
     returns the list of losses."""
     losses = []
-    dtype = next(model.parameters()).dtype
+    first = next(model.parameters())
     for s in range(steps):
         x, y = batch(seed + s)
-        x = x.to(dtype)
+        x, y = x.to(first.device, first.dtype), y.to(first.device)
 
         def fn():
             opt.zero_grad()

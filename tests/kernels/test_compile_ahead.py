@@ -45,7 +45,8 @@ def test_twins_queued_by_the_first_step_are_the_second_steps_variants(preset, op
     """Every update-kernel variant the second step launches was queued as the twin of a first-step
     launch (and only FIRST=False twins were queued); the step-count kernels wrap() would compile on
     a device are those the first step launched."""
-    model = mlp()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # interpreted on the CPU
+    model = mlp().to(device)
     if oc.presets.has_master_weights(preset):
         oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, fused=True, staging_bytes="16KB", **options)
@@ -60,7 +61,7 @@ def test_twins_queued_by_the_first_step_are_the_second_steps_variants(preset, op
     second = [k for k in recorded["launched"] if any(name == "FIRST" for name, _ in k[2])]
     assert second and set(second) <= twins
     step_counts = {k for k in first if k not in updates}
-    ahead = {compile_ahead.variant_key(*v) for v in compile_ahead.first_step_variants(opt._engine, torch.device("cpu"))}
+    ahead = {compile_ahead.variant_key(*v) for v in compile_ahead.first_step_variants(opt._engine, device)}
     assert step_counts and step_counts <= ahead
 
 
