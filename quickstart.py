@@ -5,7 +5,7 @@
     python3 quickstart.py test   # the whole test suite (one worker per core; prints the 20 slowest tests)
 
 The first run creates ./.venv and installs the CPU build of torch 2.13.0 and this project with
-its dev extra; later runs reuse it. Extra arguments go to the demo / to pytest.
+its dev extra, every other package at the version constraints.txt pins; later runs reuse it. Extra arguments go to the demo / to pytest.
 """
 import hashlib
 import os
@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("OPTSTATE_VENV", ROOT / ".venv"))
 TORCH = os.environ.get("OPTSTATE_TORCH", "torch==2.13.0")
+CONSTRAINTS = ROOT / "constraints.txt"  # every other test dependency, pinned (tools/update_pins.py)
 
 
 def venv_python() -> Path:
@@ -26,16 +27,16 @@ def venv_python() -> Path:
 def ensure_env() -> Path:
     py = venv_python()
     stamp = VENV / ".optstate-stamp"
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes() + TORCH.encode()).hexdigest()
     if py.exists() and stamp.exists() and stamp.read_text() == want:
         return py
     if not py.exists():
         print(f"[quickstart] creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
     pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    print(f"[quickstart] installing {TORCH} (CPU) and optstate[dev]", flush=True)
+    print(f"[quickstart] installing {TORCH} (CPU) and optstate[dev] pinned by constraints.txt", flush=True)
     subprocess.check_call(pip + [TORCH])
-    subprocess.check_call(pip + ["-e", f"{ROOT}[dev]"])
+    subprocess.check_call(pip + ["-e", f"{ROOT}[dev]", "-c", str(CONSTRAINTS)])
     stamp.write_text(want)
     return py
 
