@@ -81,8 +81,8 @@ class VirtualOptimizer(torch.optim.Optimizer):
         gpu_budget: GPU memory the optimizer state may hold between steps (bytes, a string such
             as ``"2GB"``, or a fraction of the free GPU memory such as ``0.25``). State is kept
             resident beside the staging ring, the resident share spread evenly over the
-            parameters in index order (``OPTSTATE_RESIDENCY=order``: the first ones while they
-            fit); the rest lives in pinned host memory and streams through the ring every step.
+            parameters in index order; the rest lives in pinned host memory and streams through
+            the ring every step.
         offload: keep every state in (pinned) host memory and stream it each step.
         staging_bytes: size of the device ring that offloaded state streams through (default
             256 MB, at most half the budget); a chunk is at most half the ring.

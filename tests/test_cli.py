@@ -256,7 +256,8 @@ def test_bench_dispatch_and_steps_defaults(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    ([], ["demo", "bench", "plan"]),
+    ([], ["demo", "bench", "plan", "env"]),
+    (["env"], ["--markdown", "OPTSTATE_"]),
     (["demo"], ["--presets", "--steps", "--out", "--device", "--data"]),
     (["bench"], ["--convergence", "--seeds", "--presets", "--steps", "--scale"]),
     (["plan"], ["--params", "--config", "--gpu-memory", "--optimizer", "--activations", "--weights-dtype"]),

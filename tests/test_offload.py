@@ -92,17 +92,6 @@ def test_budget_accounting():
         assert opt.state[p]["exp_avg"].host_tier
 
 
-def test_residency_in_order_on_request(monkeypatch):
-    """``OPTSTATE_RESIDENCY=order`` keeps the first parameters while they fit (the first tensor
-    here); a bad value is refused by name."""
-    monkeypatch.setenv("OPTSTATE_RESIDENCY", "order")
-    ps, opt = run(False, **MODES["budgeted"])
-    assert [p for p in ps if id(p) in opt._engine.placement.resident] == [ps[0]]
-    monkeypatch.setenv("OPTSTATE_RESIDENCY", "first")
-    with pytest.raises(ValueError, match="OPTSTATE_RESIDENCY must be one of spread, order"):
-        run(False, **MODES["budgeted"])
-
-
 def test_spread_residency():
     """The resident share spreads evenly along the parameters (every other one at half the
     state), rounding leftovers are filled in order, everything stays when it fits, nothing
@@ -114,7 +103,6 @@ def test_spread_residency():
     assert spread_residency([30, 5, 5, 30], 40) == [True, True, True, False]  # the leftover filled in order
     assert spread_residency([3, 4], 7) == [True, True] and spread_residency([3, 4], 0) == [False, False]
     assert spread_residency([], 5) == []
-    assert spread_residency([10] * 8, 40, even=False) == [True] * 4 + [False] * 4  # in order only
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])

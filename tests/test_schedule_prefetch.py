@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import optstate_core as oc
-from helpers import flat_params, import_outcomes
+from helpers import flat_params
 
 # CPU tensors reach the fused kernels (and so the schedule) only under TRITON_INTERPRET; on a GPU
 # machine tests/gpu/test_prefetch_cuda.py runs the same path on CUDA.
@@ -399,11 +399,16 @@ def test_slab_plan_copies_whole_or_per_parameter():
         assert moved == expected
 
 
-def test_a_bad_slab_size_setting_is_refused_by_name():
-    """``OPTSTATE_SLAB_MB`` must be a positive integer: anything else stops the import with an
-    error that names it (it used to be int()'s own message)."""
-    bad = ("abc", "0", "-4")
-    outcomes = import_outcomes("optstate_core.schedule.prefetch", [{"OPTSTATE_SLAB_MB": v} for v in bad + ("32",)])
-    assert len(outcomes) == len(bad) + 1 and outcomes[-1] is None  # a valid setting imports
-    for value, message in zip(bad, outcomes):
-        assert message is not None and "OPTSTATE_SLAB_MB must be a positive integer" in message and repr(value) in message
+def test_a_bad_slab_size_setting_is_refused_by_name(monkeypatch):
+    """``OPTSTATE_SLAB_MB`` is read at wrap() (not at import): it must be a positive integer,
+    anything else is refused there with an error that names it; a valid one sets the slab size."""
+    from optstate_core.schedule import prefetch
+    monkeypatch.delenv("OPTSTATE_SLAB_MB", raising=False)
+    assert make_opt(make_model())._engine.schedule.slab_bytes == prefetch.SLAB_BYTES == 64 << 20
+    for value in ("abc", "0", "-4"):
+        monkeypatch.setenv("OPTSTATE_SLAB_MB", value)
+        with pytest.raises(ValueError, match="OPTSTATE_SLAB_MB must be a positive integer") as e:
+            make_opt(make_model())
+        assert repr(value) in str(e.value)
+    monkeypatch.setenv("OPTSTATE_SLAB_MB", "32")
+    assert make_opt(make_model())._engine.schedule.slab_bytes == 32 << 20

@@ -5,8 +5,8 @@
 # 1 and 2; -hostcorr under a 32 GB cap against resident at 8B and 0.95B. Every step time-boxed under
 # a deadline, orphans killed between steps; results under $OUT: rows.jsonl, log.txt, rc.txt.
 # (STEPS_LIST picks other steps: "lightning accelerate torchao resume pin cmp1 cmp1_ahead8 cmp4 gputests hostcorr5_ahead8 hostcorr5 hostcorr5_095b
-# deepspeed_095b deepspeed duplex profile1 ahead_sweep cmp32 cmp4_2 cmp1_order cmp1_ahead4 cmp32_order trainer" are the
-# others (OPTSTATE_RESIDENCY=order: a gpu_budget's resident state in parameter order, not spread); the example's default
+# deepspeed_095b deepspeed duplex profile1 ahead_sweep cmp32 cmp4_2 cmp1_ahead4 trainer" are the
+# others; the example's default
 # --preset plan runs what optstate plan picks for the cap and micro-batch; cmp*/hostcorr5* alternate the recipe with resident state on the
 # whole card in one process; deepspeed* install DeepSpeed from .dsw/ first, whose CPU Adam builds just in time.)
 set -uo pipefail
@@ -52,11 +52,7 @@ cmp4)
   run cmp_cap24_mb4 230 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 3
   grep -q "cmp_cap24_mb4 rc 0" "$OUT/rc.txt" || run cmp_cap24_mb2 200 $E --gpu-memory 24GB --micro-batch 2 \
     --against-resident --repeats 3 ;;
-cmp1_order) run cmp_cap24_mb1_order 200 env OPTSTATE_RESIDENCY=order $E --gpu-memory 24GB --micro-batch 1 \
-  --against-resident --repeats 3 ;;
 cmp1_ahead4) run cmp_cap24_mb1_ahead4 200 env OPTSTATE_STAGE_AHEAD=4 $E --gpu-memory 24GB --micro-batch 1 \
-  --against-resident --repeats 3 ;;
-cmp32_order) run cmp_cap32_mb1_order 200 env OPTSTATE_RESIDENCY=order $E --gpu-memory 32GB --micro-batch 1 \
   --against-resident --repeats 3 ;;
 cmp32) run cmp_cap32_mb1 200 $E --gpu-memory 32GB --micro-batch 1 --against-resident --repeats 3 ;;
 cmp4_2) run cmp_cap24_mb4_2 170 $E --gpu-memory 24GB --micro-batch 4 --against-resident --repeats 2 ;;

@@ -8,6 +8,7 @@ Commands:
           optimizer trains on one GPU; --peak-bytes: GPU bytes/param at a training step's peak
   plan    what fits? optimizer-state and training memory per preset for a model and a GPU
   compat  which torch optimizers wrap with which preset, and how close they stay (docs/compatibility.md)
+  env     the OPTSTATE_* environment settings: each one's value now, its default (docs/environment.md)
 
 Also runnable as `python -m optstate_core <command>`. `optstate <command> --help` lists
 each command's options.
@@ -88,15 +89,24 @@ def _compat_parser(sub) -> None:
     p.set_defaults(handler=compat.run)
 
 
+def _env_parser(sub) -> None:
+    from . import env_table
+    p = sub.add_parser("env", help="the OPTSTATE_* environment settings: value now, default, kind",
+                       description=_plain(env_table.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    env_table.add_arguments(p)
+    p.set_defaults(handler=env_table.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optstate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan,compat}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan,compat,env}")
     _demo_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
     _compat_parser(sub)
+    _env_parser(sub)
     return parser
 
 

@@ -278,11 +278,11 @@ def budget_state_bytes(shapes: NamedShapes, preset: str, optimizer: str, budget:
     (:func:`~optstate_core.schedule.placement.spread_residency`), each parameter's state (moments
     and correction) stays on the GPU or not as a whole, beside the staging ring (half the budget
     at most); the rest is in host memory."""
-    from ..schedule.placement import residency_mode, spread_residency
+    from ..schedule.placement import spread_residency
     out = StateBytes()
     params = list(param_states(shapes, preset, optimizer, torch.float32))
     keep = spread_residency([sum(nbytes for *_, nbytes in entries) for entries in params],
-                            budget - min(STAGING_BYTES, budget // 2), even=residency_mode() == "spread")
+                            budget - min(STAGING_BYTES, budget // 2))
     for entries, stays in zip(params, keep):
         for key, codec, _, nbytes in entries:
             out.add(key, codec.name, "device" if stays else "host", nbytes)

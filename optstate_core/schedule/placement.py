@@ -1,7 +1,6 @@
 """Where each state lives and in which codec: the policy's answer, FSDP2's block limits, the GPU budget."""
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import torch
@@ -24,7 +23,6 @@ class Placement:
         self.force_tier: Optional[str] = None  # "host" after offload()
         self.offload_all = False
         self.resident: Optional[set] = None  # ids of parameters kept on the device under the budget
-        self.residency = residency_mode()  # read once: a bad setting fails at wrap()
 
     def codec_of(self, w: Work, key: str, step: int):
         """The policy's codec, unless the parameter's sharding cannot keep whole blocks per rank."""
@@ -84,40 +82,28 @@ class Placement:
             if master is not None:
                 need += master.nbytes(w.rows, w.cols, torch.float32)
             needs.append(need)
-        keep = spread_residency(needs, room, even=self.residency == "spread")
+        keep = spread_residency(needs, room)
         self.resident = {id(w.key) for w, stays in zip(works, keep) if stays}
 
 
-RESIDENCY_MODES = ("spread", "order")
-
-
-def residency_mode() -> str:
-    """``OPTSTATE_RESIDENCY``: ``spread`` (default) or ``order`` (the first parameters in index
-    order while they fit, as before spreading; to compare the two)."""
-    value = os.environ.get("OPTSTATE_RESIDENCY", "spread").strip().lower()
-    if value not in RESIDENCY_MODES:
-        raise ValueError(f"OPTSTATE_RESIDENCY must be one of {', '.join(RESIDENCY_MODES)}, got {value!r}")
-    return value
-
-
-def spread_residency(needs: List[int], room: int, even: bool = True) -> List[bool]:
+def spread_residency(needs: List[int], room: int) -> List[bool]:
     """Which of these state sizes (parameters in index order) stay resident in ``room`` bytes:
     the resident share spread evenly along the order (a parameter stays when the share it has
-    accrued covers half of it), then the room left filled in order (``even=False``: only that).
-    Spread, the streamed state is spread over backward too: its copies overlap all of backward's
-    compute instead of queueing at one end of it while the other end moves nothing."""
+    accrued covers half of it), then the room left filled in order. Spread, the streamed state is
+    spread over backward too: its copies overlap all of backward's compute instead of queueing at
+    one end of it while the other end moves nothing (BENCHMARKS.md section 29 compared it with
+    the first parameters kept while they fit: 0.91x against 0.87x of resident at 32 GB)."""
     total = sum(needs)
     if total <= room:
         return [True] * len(needs)
     keep = [False] * len(needs)
-    if even:
-        share, credit = max(room, 0) / total, 0.0
-        for i, need in enumerate(needs):
-            credit += need * share
-            if need <= room and credit >= need / 2:
-                keep[i] = True
-                credit -= need
-                room -= need
+    share, credit = max(room, 0) / total, 0.0
+    for i, need in enumerate(needs):
+        credit += need * share
+        if need <= room and credit >= need / 2:
+            keep[i] = True
+            credit -= need
+            room -= need
     for i, need in enumerate(needs):  # what rounding left over
         if not keep[i] and need <= room:
             keep[i] = True

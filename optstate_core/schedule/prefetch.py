@@ -3,7 +3,7 @@
 On the micro-batch that ends an accumulation window, each parameter's post-accumulate-grad hook
 may stage that parameter's encoded state on the device (:meth:`StepSchedule.prefetch
 <optstate_core.schedule.timetable.StepSchedule.prefetch>`). Parameters are queued per bucket and uploaded
-in **slabs**: when a bucket's queued state reaches :data:`SLAB_BYTES` (or its last parameter's
+in **slabs**: when a bucket's queued state reaches :func:`slab_bytes` (or its last parameter's
 gradient has arrived), one allocation from the caching allocator, made on the compute stream
 during backward (so it reuses memory that backward has just freed), receives them in a few long
 copies (:class:`~optstate_core.schedule.stage_plan.SlabPlan`). A slab is handed back after the step's
@@ -42,7 +42,14 @@ PHASES = ("backward", "step", "behind_forward")
 
 # bytes of queued state that start a slab upload: large enough that a step makes few allocations
 # and copy calls (a 0.95B model's int8 state: ~30 slabs), small enough that uploads start early
-SLAB_BYTES = env_count("OPTSTATE_SLAB_MB", 64, 1, "a positive integer (MiB per slab)") << 20
+SLAB_BYTES = 64 << 20
+
+
+def slab_bytes() -> int:
+    """``OPTSTATE_SLAB_MB`` (MiB) in bytes, else :data:`SLAB_BYTES`; read at wrap() (the step
+    schedule keeps it), where anything but a positive integer is refused by name."""
+    mib = env_count("OPTSTATE_SLAB_MB", 0, 1, "a positive integer (MiB per slab)")
+    return mib << 20 if mib else SLAB_BYTES
 
 
 def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str]:

@@ -67,6 +67,7 @@ class StepSchedule:
     def __init__(self, engine, prefetch_budget=AUTO):
         self.engine = engine
         self.area = PrefetchArea(prefetch_budget)
+        self.slab_bytes = prefetch_area.slab_bytes()  # queued bytes that start a slab upload
         self.boundary = StepBoundary()
         self._streams: Optional[Streams] = None
         self._ring: Optional[StagingRing] = None
@@ -120,7 +121,7 @@ class StepSchedule:
     def prefetch(self, param) -> None:
         """Backward hook: admit this parameter's offloaded state to the prefetch area if the
         budget has room, queued for its bucket's next slab; upload the slab once it holds
-        :data:`~optstate_core.schedule.prefetch.SLAB_BYTES` or the bucket's last gradient has arrived."""
+        :func:`~optstate_core.schedule.prefetch.slab_bytes` or the bucket's last gradient has arrived."""
         located = self._where.get(id(param))
         if located is None or not self.boundary.will_step:
             return
@@ -137,7 +138,7 @@ class StepSchedule:
         nbytes = param_bytes(bucket, i)
         if area.admits(nbytes, device):
             area.enqueue(queue, i, id(param), nbytes)
-        if queue.items and (queue.nbytes >= prefetch_area.SLAB_BYTES or queue.arrived >= len(bucket.keys)):
+        if queue.items and (queue.nbytes >= self.slab_bytes or queue.arrived >= len(bucket.keys)):
             self._upload_slab(queue, backward=True)
 
     def _upload_slab(self, queue, backward: bool) -> None:

@@ -84,8 +84,10 @@ def _sm_count(device) -> int:
     return count
 
 
-# hardware square root and reciprocal square root (a few ulp) in the update; "0" for correctly rounded ones
-FAST_MATH = os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
+def fast_math() -> bool:
+    """``OPTSTATE_FAST_MATH``: hardware square root and reciprocal square root (a few ulp) in the
+    Adam update (``1``, the default); anything else: correctly rounded ones. Read at wrap()."""
+    return os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
 
 class KernelLauncher:
@@ -101,6 +103,7 @@ class KernelLauncher:
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
         self.group_scalars: Dict[int, dict] = {}  # schedule-free AdamW: this step's values per group
         self.compile_ahead = compile_ahead.enabled()  # kernel variants compiled on a thread ahead of their launches
+        self.fast_math = fast_math()
 
     def close(self) -> None:
         """Forget cached launch tables (they hold device pointers of freed state)."""
@@ -252,7 +255,7 @@ class KernelLauncher:
                 M_LEVELS=self._n_levels(m_codec), V_LEVELS=self._n_levels(v_codec),
                 M_INV_POW=self._inv_power(m_codec), V_INV_POW=self._inv_power(v_codec),
                 M_POW=self._int_power(m_codec), V_POW=self._int_power(v_codec),
-                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=FAST_MATH, ITERS=iters, TORCH_FUSED=torch_fused,
+                AMSGRAD=amsgrad, DECOUPLED=bool(decoupled), FAST_MATH=self.fast_math, ITERS=iters, TORCH_FUSED=torch_fused,
                 maxnreg=maxnreg, **self._master(bucket, device, memo), **common))
         elif plan["kind"] == "schedule_free":
             v_codec = plan["codecs"][1]
