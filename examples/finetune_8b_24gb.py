@@ -80,7 +80,7 @@ STARTED = time.perf_counter()  # the script's start: the JSON's ``since_start_s`
 # Before torch allocates anything (unless the caller set it): pinned host memory from malloc'ed pages
 # touched by 8 threads and then registered, ~5x faster to get than cudaHostAlloc (16 GiB in 2.4 s
 # against 13.2 s on an H100 host: all offloaded state is pinned in the first step); expandable segments,
-# so the activations of a larger micro-batch fit the cap without fragmentation (BENCHMARKS.md section 28).
+# so the activations of a larger micro-batch fit the cap without fragmentation (docs/benchmarks-journal.md section 28).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_cuda_host_register:True,"
                                                  "pinned_num_register_threads:8")
 
@@ -716,7 +716,7 @@ def check_available(args) -> None:
 def make_deterministic() -> None:
     """``--deterministic``: deterministic kernels everywhere, before CUDA or cuBLAS start, without
     torch's fill of every new tensor (a check for reads of uninitialized memory, paid at each
-    allocation; the 8B recipe's losses were the same bit for bit with and without it, BENCHMARKS.md
+    allocation; the 8B recipe's losses were the same bit for bit with and without it, docs/benchmarks-journal.md
     37, and tests/test_uninitialized_reads.py checks every preset's step for such reads). Not the
     Trainer's ``full_determinism=True``, which also sets ``CUDA_LAUNCH_BLOCKING=1`` (every launch
     waits for the GPU: slow) and is the Trainer's alone."""

@@ -158,7 +158,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
         staging_bytes = parse_bytes(staging_bytes, "staging_bytes")
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be True or False, got {offload!r}")
-        if prefetch_budget is None:  # on by default (BENCHMARKS.md section 12: hides the transfers)
+        if prefetch_budget is None:  # on by default (docs/benchmarks-journal.md section 12: hides the transfers)
             prefetch_budget = 0 if prefetch_during_backward is False else AUTO
         else:
             prefetch_budget = check_prefetch_budget(prefetch_budget)

@@ -29,11 +29,11 @@ PRESETS = {
     "fp32": dict(warmup_steps=0, momentum_codec="fp32", variance_codec="fp32"),
     "bf16": dict(warmup_steps=0, momentum_codec="bf16", variance_codec="bf16"),
     # stochastic rounding keeps the slow EMAs unbiased (a nearest-rounded int8 second moment can
-    # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step); see BENCHMARKS.md
+    # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step); see docs/benchmarks-journal.md
     "8bit": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
                  variance_codec=Int8Codec(stochastic_rounding=True), optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
     # the 4-bit second moment rounds stochastically for the same reason: fine-tuning from a
-    # checkpoint (bench --convergence --finetune, BENCHMARKS.md section 12) ended +0.53% above
+    # checkpoint (bench --convergence --finetune, docs/benchmarks-journal.md section 12) ended +0.53% above
     # AdamW with nearest rounding, +0.03% with it (AdamW's seed spread there: 0.32%)
     "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
                  optimizer_codecs=OPTIMIZER_CODECS["4bit"]),

@@ -1,5 +1,5 @@
 """tools/attention_backward_probe.py on the CPU: it counts the trials whose gradients differ from the
-first, per gradient, and refuses bad arguments by name (the GPU table is in BENCHMARKS.md 37)."""
+first, per gradient, and refuses bad arguments by name (the GPU table is in docs/benchmarks-journal.md 37)."""
 import pytest
 import torch
 

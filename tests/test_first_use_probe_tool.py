@@ -1,5 +1,5 @@
 """tools/first_use_probe.py on the CPU: one row with every first use and its second, the warm start
-timed apart when asked, and bad arguments refused by name (the GPU figures are in BENCHMARKS.md 38)."""
+timed apart when asked, and bad arguments refused by name (the GPU figures are in docs/benchmarks-journal.md 38)."""
 import json
 
 import pytest

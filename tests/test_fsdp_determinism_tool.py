@@ -1,5 +1,5 @@
 """tools/fsdp_dcp_resume.py's determinism helpers: checksums that locate a difference, element-level
-descriptions, the per-layer census and the --delay specs (the GPU runs are in BENCHMARKS.md 36)."""
+descriptions, the per-layer census and the --delay specs (the GPU runs are in docs/benchmarks-journal.md 36)."""
 import os
 
 import pytest

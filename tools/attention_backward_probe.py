@@ -1,6 +1,6 @@
-"""Is attention's backward bit-reproducible, alone and beside other GPU work? (BENCHMARKS.md 37)
+"""Is attention's backward bit-reproducible, alone and beside other GPU work? (docs/benchmarks-journal.md 37)
 
-The 8B offload + release runs of BENCHMARKS 36 diverged from one another now and then, first in a
+The 8B offload + release runs of docs/benchmarks-journal.md 36 diverged from one another now and then, first in a
 query projection's gradient. This probe repeats one causal attention backward at Llama-3-8B's
 shapes (GQA through repeated K/V, as transformers does) with the same inputs and compares every
 dQ, dK and dV bit for bit with the first one, per SDPA backend, in three modes:

@@ -1,7 +1,7 @@
 """How long does each first use of CUDA take in a fresh process, and how much of it can a warm start take off?
 
 A process's first training step on a machine that has not run CUDA yet took 7.3-7.8 s for the 8B
-recipe, later processes 3.7 s with Triton's cache just as empty (BENCHMARKS.md sections 34 and
+recipe, later processes 3.7 s with Triton's cache just as empty (docs/benchmarks-journal.md sections 34 and
 38). This probe times, in order and in one process, each first use a step makes, then each one
 again (the warm cost):
 

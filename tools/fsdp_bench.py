@@ -261,7 +261,7 @@ def main():
         if undo is not None:
             undo()
         del model, opt, params, loss
-        gc.collect()  # torch's FSDP2 still keeps a trained model referenced after this (BENCHMARKS.md section
+        gc.collect()  # torch's FSDP2 still keeps a trained model referenced after this (docs/benchmarks-journal.md section
         torch.cuda.empty_cache()  # 23): the next rows carry its weights, so compare memory one configuration a run
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:

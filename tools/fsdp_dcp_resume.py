@@ -11,7 +11,7 @@ the uninterrupted and the resumed run, whether they are equal, how many local pa
 optimizer-state tensors differ at the end, the checkpoint's size on disk and the save/load seconds.
 
 ``--repeats N`` runs that round trip N times per contender in one process and prints a ``SUMMARY``
-of how many differed (the 8B offloaded run with release differs in some runs only: BENCHMARKS.md
+of how many differed (the 8B offloaded run with release differs in some runs only: docs/benchmarks-journal.md
 sections 35 and 36); ``--wrap-option KEY=VALUE`` passes further ``wrap()`` options to optstate
 contenders; ``--trace`` checks the load itself.
 

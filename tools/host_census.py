@@ -8,7 +8,7 @@ examples/finetune_8b_24gb.py trains: a count-and-clock census instead of a sampl
 Everything after ``--`` goes to the example. Steps 3 to the last are averaged; times are inclusive
 (a flush contains its launches), measured with ``time.perf_counter`` around each call, so every
 call costs about a microsecond more than untraced. The wrappers patch the library's classes from
-outside and are removed afterwards; nothing in the library changes. BENCHMARKS.md section 32 has
+outside and are removed afterwards; nothing in the library changes. docs/benchmarks-journal.md section 32 has
 a census of the 8B recipe.
 """
 import argparse

@@ -2,9 +2,9 @@
 the padded requests, one allocation per request, and the arena's shared slabs (``state/pinned.py``'s
 rule, through ``PinnedArena.allocations``), each allocation rounded up to a power of two as torch's
 caching host allocator does. A model of the allocator, not a measurement: section 28 of
-BENCHMARKS.md measured 65 GiB of resident host memory per rank where this counts 37.8 GiB of
+docs/benchmarks-journal.md measured 65 GiB of resident host memory per rank where this counts 37.8 GiB of
 one-per-request allocations (70B, 4 GPUs), and 38.5 GiB with shared slabs. Slabs are shared by
-default (again since BENCHMARKS.md section 38; ``OPTSTATE_PINNED_SLAB_BYTES=0`` turns that off); the
+default (again since docs/benchmarks-journal.md section 38; ``OPTSTATE_PINNED_SLAB_BYTES=0`` turns that off); the
 slab column is for 256 MiB slabs.
 
     python tools/pinned_footprint.py --shapes 0.95b,8b,70b [--preset bf16w-4bit-lean-offload] [--gpus 4]

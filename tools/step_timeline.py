@@ -3,7 +3,7 @@
 release batch's update on the compute stream, the forward's end; then per step the busy time of
 each stream in 20 ms bins, whether updates waited for their uploads, how far the device ran
 behind the host (a lag near 0 through backward: the host is the bottleneck), and Python's GC
-passes inside the step (host time; a full pass over a model's objects took 0.3 s, BENCHMARKS.md
+passes inside the step (host time; a full pass over a model's objects took 0.3 s, docs/benchmarks-journal.md
 section 31).
 
     python tools/step_timeline.py --out T.txt [--json] -- --gpu-memory 24GB --micro-batch 1 --steps 6

@@ -159,12 +159,12 @@ def checkpointed_activation_bytes(config: dict, batch: int, seq: int, fused_loss
     one layer recomputed in backward (``b*s*(10h + 8i)`` bf16 values: attention and SwiGLU
     intermediates and their gradients) and the logits (bf16, their fp32 copy for the loss and
     its fp32 gradient: ``10*b*s*V`` bytes). The constants 10 and 8 fit one measurement: a
-    Llama-3-8B shape at 1x2048 took 3.56 GiB (BENCHMARKS.md section 23); measure your own run
+    Llama-3-8B shape at 1x2048 took 3.56 GiB (docs/benchmarks-journal.md section 23); measure your own run
     (``optstate bench --peak-bytes``) before relying on it. ``fused_loss``: the loss over
     vocabulary slices (:mod:`optstate_core.apps.chunked_loss`) instead of whole logits, its
     :func:`~optstate_core.apps.chunked_loss.chunked_loss_bytes` in place of the ``10*b*s*V`` term, and
     only :data:`FUSED_LOSS_RECOMPUTED` of the recomputed layer's term: without the logits the peak
-    comes where little of it is alive (fit to four H100 peaks, BENCHMARKS.md section 27)."""
+    comes where little of it is alive (fit to four H100 peaks, docs/benchmarks-journal.md section 27)."""
     if "text_config" in config and "hidden_size" not in config:
         config = config["text_config"]
     try:

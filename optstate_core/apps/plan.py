@@ -51,12 +51,12 @@ STAGING_BYTES = 256 * 2**20  # wrap(staging_bytes=...)'s default: the ring offlo
 RELEASE_BUCKET_BYTES = 256 * 2**20  # wrap(release_bucket_bytes=...)'s default
 MIN_BUDGET_ROW = 2**30  # the smallest gpu_budget the plan offers as a row of its own
 #: host <-> device bytes per second each way while both directions copy at once (one H100: 85-88
-#: GB/s in both directions together, 53-55 GB/s one way alone; BENCHMARKS.md section 23)
+#: GB/s in both directions together, 53-55 GB/s one way alone; docs/benchmarks-journal.md section 23)
 PCIE_BYTES_PER_S = 42e9
 #: the preset a "gpu_budget" row is built from (resident up to the budget, the rest streamed)
 BUDGET_PRESET = "bf16w-4bit-lean"
 # of the GPU left free beside a gpu_budget row (allocator fragmentation, cuBLAS workspaces): at 8B, 24 GB,
-# micro-batch 1 a 3 GiB budget peaked at 21.19 GiB of the 22.35 allowed (BENCHMARKS.md section 29)
+# micro-batch 1 a 3 GiB budget peaked at 21.19 GiB of the 22.35 allowed (docs/benchmarks-journal.md section 29)
 BUDGET_MARGIN = 0.025
 
 

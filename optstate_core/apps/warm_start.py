@@ -2,7 +2,7 @@
 
 On a machine that has not run CUDA yet, a process's first causal attention forward and backward
 took 2.3 s, its first matrix product 0.11 s (0.21 s and 0.11 s in a later process;
-``tools/first_use_probe.py``, BENCHMARKS.md 38). :func:`start` runs one small matrix product and
+``tools/first_use_probe.py``, docs/benchmarks-journal.md 38). :func:`start` runs one small matrix product and
 one small causal attention forward and backward on a side stream, on a thread, while the caller
 builds its model. It touches no random number generator and none of the caller's tensors: the run
 trains bit for bit as without it. Best effort: a failure is logged and changes nothing else.

@@ -1,7 +1,7 @@
 """Pin the first step's offloaded state ahead: its sizes predicted at wrap(), pinned on a thread.
 
 An offloaded preset pins all its host-tier state in the first step (12.7 GiB for Llama-3-8B under
-a 24 GB cap: 2.3-3.9 s of that step, BENCHMARKS.md section 30). The sizes are known before it:
+a 24 GB cap: 2.3-3.9 s of that step, docs/benchmarks-journal.md section 30). The sizes are known before it:
 each parameter's plan on the fused path (its codecs, and which of its states live on the host
 under the GPU budget) gives the pinned arena's requests. So wrap() starts a thread that pins them
 in the order backward asks for them (the parameters in reverse), and the first step takes them as

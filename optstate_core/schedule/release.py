@@ -17,7 +17,7 @@ are released, so ``clip_mode`` chooses:
 * ``"auto"`` (release default): when one batch holds every gradient of the step (they fit in
   ``release_bucket_bytes``), they are clipped by their exact global norm at the end of backward,
   exactly as global clipping would; otherwise per tensor (the rule that stayed closest to global
-  clipping when the step spans several batches: BENCHMARKS.md sections 22 and 23); under FSDP2,
+  clipping when the step spans several batches: docs/benchmarks-journal.md sections 22 and 23); under FSDP2,
   ``"previous"``;
 * ``"previous"``: the exact global norm when one batch holds the step; otherwise every gradient
   of step t is scaled by ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, where ``norm_{t-1}``

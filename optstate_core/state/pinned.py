@@ -2,7 +2,7 @@
 
 torch's pinned allocator rounds every request up to a power of two, so one allocation per state
 holds up to twice the offloaded state in host memory (Llama-3-70B shapes on 4 GPUs: 65 GiB per rank
-for 34 GiB of state; 38.5 GiB with shared slabs, BENCHMARKS.md section 28). A :class:`PinnedArena`
+for 34 GiB of state; 38.5 GiB with shared slabs, docs/benchmarks-journal.md section 28). A :class:`PinnedArena`
 therefore hands out 16-byte aligned views of slabs: per dtype (``torch.save`` refuses a storage
 viewed as two dtypes), each new slab a power of two at least as large as what that dtype was handed
 so far, from :data:`MIN_SLAB_BYTES` up to :data:`SLAB_BYTES` (a larger request gets an allocation of
@@ -10,10 +10,10 @@ its own), each request in the oldest slab with room for it (first fit). A small 
 little; a large one pins in a few hundred large slabs, and states allocated together lie side by
 side, so their copies merge. Llama-3-8B shapes, ``bf16w-4bit-lean-offload``: 15.42 GiB of
 requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own
-(``tools/pinned_footprint.py``, BENCHMARKS.md section 33).
+(``tools/pinned_footprint.py``, docs/benchmarks-journal.md section 33).
 
 **Sharing is on by default** (slabs up to :data:`SLAB_BYTES`; ``OPTSTATE_PINNED_SLAB_BYTES=0``: every
-request an allocation of its own). It was off from section 34 to 38 of BENCHMARKS.md: the 8B FSDP2 +
+request an allocation of its own). It was off from section 34 to 38 of docs/benchmarks-journal.md: the 8B FSDP2 +
 DCP resume with offloaded state differed between runs in 4 of 8 runs with shared slabs and 1 of 5
 without. That was attention's backward, whose dQ is summed in an order that varies (sections 36 and
 37, docs/limitations.md): under deterministic algorithms, two 8B resumes and five repeated runs on

@@ -23,7 +23,7 @@ from .kernels import compile_ahead, launch
 FP32, BF16, INT8, INT4, FP24 = 0, 1, 2, 3, 4
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # launch shape (256-element tiles per program, warps, tiles looped over per program, register cap),
-# timed with the step table and ``optstate bench --tune`` (BENCHMARKS.md sections 10, 11, 15, 19):
+# timed with the step table and ``optstate bench --tune`` (docs/benchmarks-journal.md sections 10, 11, 15, 19):
 # int8 states 4 tiles x 2 warps (0.57x vs 0.61x fused AdamW at 2 x 2, H100 2026-11-23), looped
 # twice (H200 2026-11-26: 5.04 vs 5.21 ms with the step queued ahead; register caps no faster); bf16
 # 2 x 2 (4 x 2 and loops no faster); the Adam step of 4-bit states without master weights 1 x 1

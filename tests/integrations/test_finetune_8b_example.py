@@ -167,7 +167,7 @@ def test_trainer_fits_a_095b_model_under_a_12gb_cap(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_deterministic_runs_repeat_bit_for_bit_on_a_gpu(tmp_path):
     """--deterministic: two runs in one process give the same losses bit for bit (without it,
-    attention's default backward sums dQ in an order that varies: BENCHMARKS.md 37); the first run
+    attention's default backward sums dQ in an order that varies: docs/benchmarks-journal.md 37); the first run
     warm-started, the second not: the warm start changes no bit of training."""
     rows = run_script(tmp_path, ["--shape", "0.95b", "--micro-batch", "1", "--seq", "1024", "--steps", "4",
                                  "--gpu-memory", "12GB", "--repeats", "2", "--deterministic"], timeout=600, lines=3)

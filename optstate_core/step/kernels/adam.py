@@ -22,7 +22,7 @@ from .codec_ops import INT8, bf16_grid, int8_block_max_bits, load_state, mix32, 
 #: update-kernel arguments compiled without specializing on their value: Triton otherwise compiles
 #: a separate variant for a launch over one tensor (a count of 1 becomes a constant), so gradient
 #: release (one parameter per launch) and bucket launches (several) each paid a compile of their
-#: own, 1 s apiece on an H100 with Triton's cache empty (BENCHMARKS.md section 34)
+#: own, 1 s apiece on an H100 with Triton's cache empty (docs/benchmarks-journal.md section 34)
 UNSPECIALIZED = ["N_TENSORS"]
 P_FP32 = tl.constexpr(0)
 P_BF16 = tl.constexpr(1)

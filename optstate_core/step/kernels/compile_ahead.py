@@ -1,7 +1,7 @@
 """Compile Triton kernel variants on a thread before the launches that need them.
 
 On a fresh machine Triton compiles each kernel variant at its first launch: for the 8B recipe
-about 3.5 s of the first step and 1.7 s of the second (BENCHMARKS.md sections 30 and 33). Two
+about 3.5 s of the first step and 1.7 s of the second (docs/benchmarks-journal.md sections 30 and 33). Two
 kinds of variant are known before they are needed:
 
 * at wrap(), the step-count kernels of the first step (``advance_steps_kernel`` and both
@@ -11,7 +11,7 @@ kinds of variant are known before they are needed:
   arguments with ``FIRST=False``. It compiles while the first step runs: the second step no longer
   compiles (2.1 s -> 0.5 s for the 8B recipe with Triton's cache empty), and the first step is
   unchanged within its spread; compiling the twins only from the first step's end left both
-  steps as slow as without (BENCHMARKS.md section 33).
+  steps as slow as without (docs/benchmarks-journal.md section 33).
 
 One worker thread compiles them (``JITFunction.warmup``: compiled and cached, not launched) and
 loads each (``CompiledKernel._init_handles``: the module loaded into the CUDA context and, in Triton
