@@ -1,11 +1,10 @@
 """Pinned host memory of a preset's host-tier state for named Llama shapes, computed (no GPU):
 the padded requests, one allocation per request, and the arena's shared slabs (``state/pinned.py``'s
 rule, through ``PinnedArena.allocations``), each allocation rounded up to a power of two as torch's
-caching host allocator does. A model of the allocator, not a measurement: section 28 of
-BENCHMARKS.md measured 65 GiB of resident host memory per rank where this counts 37.8 GiB of
-one-per-request allocations (70B, 4 GPUs), and 38.5 GiB with shared slabs. Slabs are shared only
-with ``OPTSTATE_PINNED_SLAB_BYTES`` set (off by default since BENCHMARKS.md section 34); the
-slab column is for 256 MiB slabs.
+caching host allocator does. A model of the allocator, not a measurement: at 70B on 4 GPUs a
+rank's resident host memory was measured at 65 GiB with one allocation per request, where this
+counts 37.8 GiB, and at 38.5 GiB with shared slabs. Shared slabs are the default
+(``OPTSTATE_PINNED_SLAB_BYTES=0`` turns them off); the slab column is for 256 MiB slabs.
 
     python tools/pinned_footprint.py --shapes 0.95b,8b,70b [--preset bf16w-4bit-lean-offload] [--gpus 4]
 
