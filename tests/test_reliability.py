@@ -3,7 +3,7 @@ the CPU; the fused kernels under TRITON_INTERPRET for the rows marked so), with 
 
 Every row asserts its outcome *and* that nothing was lost: after a rejected call the parameters,
 the state and ``param_groups`` are unchanged, and training continues with finite updates.
-README.md's "Guarantees" section states the same table in words.
+docs/formats.md's "Guarantees" section states the same table in words.
 """
 import copy
 import gc
