@@ -8,7 +8,7 @@ import torch
 
 from ..state.codecs import EncodedTensor
 from ..state.dtensor import is_dtensor, like_param, local
-from ..state.store import allocate, allocate_many, is_scalar_state, keeps_own_shape, matches
+from ..state.store import allocate, allocate_many, copy_stored, is_scalar_state, keeps_own_shape, matches
 from ..step.work import Work
 
 
@@ -86,23 +86,27 @@ class Conformer:
             engine.tiled.run(works, update=False)
 
     def retier(self, works: List[Work]) -> List[Work]:
-        """Move encoded states whose codec stays the same by copying their payload; return the
-        works that still need a re-encode."""
+        """Move states whose codec stays the same by copying their payload (nothing is re-encoded,
+        so a move there and back gives the same bytes); return the works that still need a
+        re-encode. Uncompressed state is a raw tensor on the device and an encoded (identity
+        codec) one on the host: :func:`copy_stored` copies between the two forms."""
         engine = self.engine
         moves: Dict[tuple, list] = {}
         for w in works:
             for key, value in w.state.items():
-                if not isinstance(value, EncodedTensor):
+                if is_scalar_state(value) or keeps_own_shape(value, w.key):
                     continue
                 codec = engine.codec_of(w, key)
                 host = engine.tier_of(w, key) == "host"
-                if value.codec == codec and not matches(value, codec, host, w.param.device):
-                    moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value))
+                encoded = isinstance(value, EncodedTensor)
+                same_codec = value.codec == codec if encoded else codec.lossless
+                if same_codec and not matches(value, codec, host, w.param.device):
+                    shape = value.shape if encoded else local(value).shape
+                    moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value, shape))
         for (codec, host, device, dtype), items in moves.items():
             pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
-            for (w, key, src), dst in zip(items, allocate_many(codec, [v.shape for _, _, v in items], dtype,
-                                                                device, host, pin, engine.pinned)):
-                for name, t in dst.payload.items():
-                    t.copy_(src.payload[name])
-                w.state[key] = dst
+            for (w, key, src, _), dst in zip(items, allocate_many(codec, [shape for *_, shape in items], dtype,
+                                                                   device, host, pin, engine.pinned)):
+                copy_stored(dst, src)
+                w.state[key] = like_param(w.key, dst) if isinstance(dst, torch.Tensor) and is_dtensor(w.key) else dst
         return [w for w in works if self.differs(w)]

@@ -23,7 +23,7 @@ import torch
 from .codecs import EncodedTensor, codec_from_config, slab_shape
 from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor, slab_placements
 from .master_weights import MASTER_KEY
-from .store import ParamState, allocate_many, is_scalar_state
+from .store import ParamState, allocate_many, copy_stored, is_scalar_state
 
 
 FORMAT_VERSION = 1
@@ -245,7 +245,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
                 value = value.decode(param.device, dtype=param.dtype)
             if isinstance(value, EncodedTensor):
                 target = torch.device("cpu") if value.host_tier else param.device
-                encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value))
+                encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value, param))
             else:
                 value = _cast_like_torch(param, key, value, group_of[saved_id], keep_dtype=masters)
             st[key] = value
@@ -255,11 +255,10 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
     _check_same_keys(keys_by_group)
     pin = engine.pin_memory if engine.pin_memory is not None else torch.cuda.is_available()
     for (codec, host, device, dtype), items in encoded.items():
-        placed = allocate_many(codec, [src.shape for _, _, src in items], dtype, device, host, pin, engine.pinned)
-        for (st, key, src), dst in zip(items, placed):
-            for name, t in dst.payload.items():
-                t.copy_(src.payload[name])
-            st[key] = dst
+        placed = allocate_many(codec, [src.shape for _, _, src, _ in items], dtype, device, host, pin, engine.pinned)
+        for (st, key, src, param), dst in zip(items, placed):
+            copy_stored(dst, src)  # a lossless codec on the device is placed as a raw tensor
+            st[key] = like_param(param, dst) if isinstance(dst, torch.Tensor) and is_dtensor(param) else dst
 
     # Everything validated: commit.
     engine.sync_transfers()

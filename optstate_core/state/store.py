@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from .codecs import Codec, EncodedTensor
+from .codecs import Codec, EncodedTensor, slab_shape
 from .pinned import ALIGN_BYTES, PinnedArena
 from .dtensor import local
 
@@ -114,6 +114,27 @@ def allocate_many(codec: Codec, shapes, dtype: torch.dtype, device: torch.device
     return out
 
 
+def payload_views(value) -> dict:
+    """The payload of a stored state as ``{name: tensor}``: an :class:`EncodedTensor`'s own, or for
+    a raw tensor (the form of uncompressed state on the device, see :func:`allocate_many`) the
+    identity codec's ``{"data": [rows, cols] view}`` of its local shard."""
+    if isinstance(value, EncodedTensor):
+        return value.payload
+    t = local(value)
+    shape = slab_shape(t.shape)
+    return {"data": t.view(shape) if t.is_contiguous() else t.reshape(shape)}
+
+
+def copy_stored(dst, src) -> None:
+    """Copy a stored state into storage of the same codec made elsewhere (another tier or device,
+    by :func:`allocate_many`). Either side may be an :class:`EncodedTensor` or, for a lossless
+    codec on the device, a raw tensor: a parked uncompressed state is an encoded one on the host
+    that wakes as a raw tensor, and the other way round."""
+    out = payload_views(dst)
+    for name, t in payload_views(src).items():
+        out[name].copy_(t)
+
+
 def state_nbytes(value) -> int:
     """Bytes this process holds for one state value (a DTensor counts its local shard only)."""
     if isinstance(value, EncodedTensor):
@@ -125,4 +146,4 @@ def state_nbytes(value) -> int:
 
 
 __all__ = ["ParamState", "StateMap", "is_scalar_state", "keeps_own_shape", "copy_scalar", "matches", "allocate", "allocate_many", "payload_layout_of",
-           "state_nbytes"]
+           "payload_views", "copy_stored", "state_nbytes"]
