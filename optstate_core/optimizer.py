@@ -11,6 +11,7 @@ from . import metrics
 from .schedule import pin_ahead
 from .step.kernels import compile_ahead
 from .schedule.engine import Engine
+from .schedule.park import PhaseSwitch
 from .policy import Policy, default_policy, named_parameter_names
 from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options
@@ -35,7 +36,7 @@ def _check_optional_int(name: str, value, minimum: int = 1) -> Optional[int]:
     return value
 
 
-class VirtualOptimizer(torch.optim.Optimizer):
+class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     """Wraps ``optimizer``; keeps its state in the form ``policy`` chooses between steps.
 
     It *is* a ``torch.optim.Optimizer`` that shares the inner optimizer's ``param_groups``
@@ -330,16 +331,7 @@ class VirtualOptimizer(torch.optim.Optimizer):
     def eval(self):
         return self.train(False)
 
-    # -- offload --------------------------------------------------------------------------------
-    def offload(self) -> None:
-        """Move all optimizer state to host memory (e.g. during evaluation or an RL rollout).
-        Idempotent; checkpointing works in either phase."""
-        self._engine.offload()
-
-    def reload(self) -> None:
-        """Bring state back to the GPU as far as the policy and ``gpu_budget`` allow."""
-        self._engine.reload()
-
+    # -- offload()/reload()/parked(): the phase switch, in schedule/park.py -------------------------
     def close(self) -> None:
         """Release staging memory, pinned host buffers and all state; the optimizer is done.
         Save ``state_dict()`` first if you need it."""

@@ -113,7 +113,7 @@ def test_offload_reload_round_trip_is_exact(fused):
     opt.offload()  # idempotent
     assert opt.memory_report()["device_bytes"] == 0
     assert all(v.host_tier for st in opt.state.values() for v in st.values() if isinstance(v, oc.EncodedTensor))
-    for s in (3, 4):  # training while offloaded streams the state
+    for s in (3, 4):  # a step after offload() wakes the state first (docs/rl.md)
         set_grads(ps, s)
         set_grads(ref_ps, s)
         opt.step()

@@ -8,6 +8,8 @@
                        the prefetch area, staging layouts, copy streams and the staging ring
 * ``placement.py``     codec and tier per state (the policy's answer, FSDP2 limits, the budget)
 * ``pin_ahead.py``     the first step's pinned host memory, predicted at wrap() and pinned on a thread
+* ``park.py``          the phase switch: all state parked in host memory and woken
+                       (``offload()``/``reload()``/``parked()``)
 * ``conform.py``, ``follow.py``
                        re-storing state in the wanted form, and state that follows parameters
                        moved or recast after wrapping

@@ -26,6 +26,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import park
 from .conform import Conformer
 from ..step import passthrough_skip
 from ..step.backward_check import BackwardCheck
@@ -93,6 +94,7 @@ class Engine:
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
+        self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
 
     @property
     def prefetch_during_backward(self) -> bool:
@@ -143,6 +145,7 @@ class Engine:
 
     # -- a step --------------------------------------------------------------------------------
     def step(self) -> None:
+        park.wake_for_update(self, "step()")
         t0 = time.perf_counter()
         if self.granularity == "step":
             self.metrics = StepMetrics()
@@ -331,19 +334,10 @@ class Engine:
         """Wait for queued write-backs of offloaded state (before reading or replacing it)."""
         self.schedule.sync()
 
-    def offload(self) -> None:
-        """Move every state to host memory (idempotent)."""
-        self.sync_transfers()
-        self.placement.force_tier = "host"
-        self.conformer.conform()
-
-    def reload(self) -> None:
-        """Bring state back to the device as far as the policy and the GPU budget allow."""
-        self.sync_transfers()
-        self.placement.force_tier = None
-        self.placement.resident = None
-        self.assign_residency()
-        self.conformer.conform()
+    @property
+    def parked(self) -> bool:
+        """Whether every state is parked in host memory (:mod:`~optstate_core.schedule.park`)."""
+        return self.placement.force_tier == "host"
 
     def assign_residency(self, *, only_new: bool = False) -> None:
         """Under a GPU budget: which parameters' state stays resident, over every parameter in
@@ -378,5 +372,8 @@ class Engine:
         self.kernels.nonfinite_device = None
 
     def conform(self, params=None) -> None:
-        """Re-store state in the form the policy wants now (see :class:`Conformer`)."""
+        """Re-store state in the form the policy wants now (see :class:`Conformer`); parked, state
+        of its own shape goes to host memory too."""
         self.conformer.conform(params)
+        if self.parked:
+            park.park_own_shape(self)

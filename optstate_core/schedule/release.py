@@ -51,6 +51,7 @@ from ..state.dtensor import local
 from ..state.units import env_count
 from ..step.gradients import collect
 from ..step.inner import group_signature
+from .park import wake_for_update
 from .release_params import follow_parameters
 
 log = logging.getLogger("optstate")
@@ -128,6 +129,7 @@ class GradientRelease:
         if info is None:
             return
         if not self._pending:  # the first of this backward: the rest goes when backward ends
+            wake_for_update(self.engine, "a gradient released in backward")
             if self.deferred_check:  # still plain parameters under several processes (DDP): refused here
                 follow_parameters(self.engine)
             self.engine.schedule.staged_ahead = False  # the first batch's copy is now this backward's
