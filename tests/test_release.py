@@ -205,9 +205,13 @@ def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_s
         assert torch.equal(p, q)
 
 
-_CLIP_CASES = [(preset, dtype, mode, False) for mode in ("per_tensor", "previous")
-               for preset, dtype in (("8bit", torch.float32), ("4bit", torch.float32), ("bf16w-4bit-lean", None),
-                                     ("bf16w-8bit", None), ("8bit", torch.float16))]
+# per tensor: every state kind and gradient dtype; by the previous norm (the same folded factor,
+# computed a step earlier): one compressed-moment preset, one master-weight preset, fp16 gradients
+_CLIP_CASES = ([(preset, dtype, "per_tensor", False) for preset, dtype in (
+                   ("8bit", torch.float32), ("4bit", torch.float32), ("bf16w-4bit-lean", None), ("bf16w-8bit", None),
+                   ("8bit", torch.float16))]
+               + [(preset, dtype, "previous", False) for preset, dtype in (
+                   ("8bit", torch.float32), ("bf16w-4bit-lean", None), ("8bit", torch.float16))])
 
 
 @pytest.mark.parametrize("preset,dtype,mode,nan", _CLIP_CASES + [("bf16w-4bit-lean", None, "per_tensor", True),
