@@ -48,8 +48,10 @@ def main(argv) -> int:
     py = str(ensure_env())
     if argv[0] == "demo":
         return subprocess.call([py, "-m", "optstate_core", "demo", *argv[1:]], cwd=ROOT)
-    # one worker per core (pytest-xdist), and the 20 slowest tests at the end
-    code = subprocess.call([py, "-m", "pytest", "-n", "auto", "--durations=20", *argv[1:]], cwd=ROOT)
+    # one worker per core (pytest-xdist; an idle worker takes queued tests from a busy one), and
+    # the 20 slowest tests at the end
+    code = subprocess.call([py, "-m", "pytest", "-n", "auto", "--dist", "worksteal", "--durations=20", *argv[1:]],
+                           cwd=ROOT)
     if code == 5:
         print("[quickstart] pytest collected no tests: treating that as a failure", flush=True)
         return 1

@@ -116,17 +116,17 @@ def test_shared_slabs_save_load_and_resume_bit_for_bit(preset, options):
     runs = {}
     for slab in (0, 1 << 20):
         model, opt = _build(preset, slab, options)
-        train_steps(model, opt, 3, seed=1)
+        train_steps(model, opt, 2, seed=1)
         saved_model = torch.load(io.BytesIO(_saved(model.state_dict())), weights_only=True)
         saved_opt = torch.load(io.BytesIO(_saved(opt.state_dict())), weights_only=True)
-        expected = train_steps(model, opt, 3, seed=4)
+        expected = train_steps(model, opt, 2, seed=4)
         if slab:
             assert opt._engine.pinned.slabs_allocated > 0
         model2, opt2 = _build(preset, slab, options)
-        train_steps(model2, opt2, 2, seed=100)
+        train_steps(model2, opt2, 1, seed=100)
         model2.load_state_dict(saved_model)
         opt2.load_state_dict(saved_opt)
-        assert train_steps(model2, opt2, 3, seed=4) == expected
+        assert train_steps(model2, opt2, 2, seed=4) == expected
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
         runs[slab] = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(p, q) for p, q in zip(runs[0], runs[1 << 20]))

@@ -174,7 +174,10 @@ class Int4Codec(Codec):
     def specialize(self, nonnegative):
         if self.signed is not None:
             return self
-        return type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.power)
+        variants = self.__dict__.setdefault("_variants", {})  # one per sign: building one computes its tables
+        if nonnegative not in variants:
+            variants[nonnegative] = type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.power)
+        return variants[nonnegative]
 
     @property
     def is_signed(self) -> bool:

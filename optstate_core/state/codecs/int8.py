@@ -129,7 +129,10 @@ class Int8Codec(Codec):
     def specialize(self, nonnegative):
         if self.signed is not None:
             return self
-        return type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.exp_bits)
+        variants = self.__dict__.setdefault("_variants", {})  # one per sign: building one computes its tables
+        if nonnegative not in variants:
+            variants[nonnegative] = type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.exp_bits)
+        return variants[nonnegative]
 
     def payload_layout(self, rows, cols, dtype=torch.float32):
         nb = -(-cols // self.block_size)
