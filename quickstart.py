@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("OPTSTATE_VENV", ROOT / ".venv"))
 TORCH = os.environ.get("OPTSTATE_TORCH", "torch==2.13.0")
 CONSTRAINTS = ROOT / "constraints.txt"  # every other test dependency, pinned (tools/update_pins.py)
+# makes optim="optstate_..." valid without an import; a wheel carries it, an editable install does not
+NAMES_PTH = ROOT / "integrations" / "optstate_hf_names" / "optstate_hf_names.pth"
 
 
 def venv_python() -> Path:
@@ -27,7 +29,8 @@ def venv_python() -> Path:
 def ensure_env() -> Path:
     py = venv_python()
     stamp = VENV / ".optstate-stamp"
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes() + TORCH.encode()).hexdigest()
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes() + TORCH.encode()
+                          + NAMES_PTH.read_bytes()).hexdigest()
     if py.exists() and stamp.exists() and stamp.read_text() == want:
         return py
     if not py.exists():
@@ -37,6 +40,7 @@ def ensure_env() -> Path:
     print(f"[quickstart] installing {TORCH} (CPU) and optstate[dev] pinned by constraints.txt", flush=True)
     subprocess.check_call(pip + [TORCH])
     subprocess.check_call(pip + ["-e", f"{ROOT}[dev]", "-c", str(CONSTRAINTS)])
+    subprocess.check_call([str(py), "-m", "optstate_hf_names", "install"])  # the .pth into the venv (idempotent)
     stamp.write_text(want)
     return py
 

@@ -73,6 +73,9 @@ def test_the_defaults_are_the_codes(monkeypatch):
                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "LAUNCH_SHAPES")
     for i, name in enumerate(("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG")):
         assert default[name] == "/".join(str(shapes[kind][i]) for kind in ("int8", "int4", "other")), name
+    import optstate_hf_names
+    assert default[optstate_hf_names.ENV] == "1" and optstate_hf_names.enabled({})
+    assert not optstate_hf_names.enabled({optstate_hf_names.ENV: "0"})
     quickstart = (ROOT / "quickstart.py").read_text()
     assert f'os.environ.get("OPTSTATE_TORCH", "{default["OPTSTATE_TORCH"]}")' in quickstart
     assert 'os.environ.get("OPTSTATE_VENV", ROOT / ".venv")' in quickstart and default["OPTSTATE_VENV"] == "./.venv"

@@ -1,10 +1,12 @@
 """optstate for the Hugging Face Trainer.
 
-``import optstate_hf`` registers ``optim="optstate_adamw"`` (and ``_8bit``, ``_4bit``,
-``_offload``, ...), ``"optstate_lion..."`` and ``"optstate_schedule_free_adamw..."`` with the installed
-transformers; ``OptStateCallback`` handles warmup switching,
-accumulation boundaries and metrics. Import it before building ``HfArgumentParser`` or
-unpickling ``training_args.bin``.
+``optim="optstate_adamw"`` (and ``_8bit``, ``_4bit``, ``_offload``, ...), ``"optstate_lion..."`` and
+``"optstate_schedule_free_adamw..."`` are registered with the installed transformers: by the
+``.pth`` hook of an installed optstate (``optstate_hf_names``) in any process that imports
+transformers, or by ``import optstate_hf`` (import it before building ``HfArgumentParser`` or
+unpickling ``training_args.bin`` where the hook is off). A Trainer that creates its optimizer from
+one of these names gets an ``OptStateCallback`` (warmup switching, accumulation boundaries, metrics)
+unless it has one.
 """
 from __future__ import annotations
 

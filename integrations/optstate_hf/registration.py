@@ -1,6 +1,6 @@
 """Make ``TrainingArguments(optim="optstate_adamw...")`` valid and dispatchable (transformers 4.46+ and 5.x).
 
-Two steps, the same on every supported transformers:
+Three steps, the same on every supported transformers:
 
 - Validation: ``TrainingArguments.__post_init__`` runs ``OptimizerNames(self.optim)``, a str Enum
   that cannot be subclassed once it has members, so each name is added as a new member.
@@ -9,52 +9,37 @@ Two steps, the same on every supported transformers:
   one long if/elif over the names, in 5.x a lookup in a private handler dict; both are reached
   through that method, so it is wrapped: our names are answered here, every other name goes to the
   original method unchanged. Subclasses (``Seq2SeqTrainer``, TRL's trainers) inherit the wrapper.
+- The callback: ``Trainer.create_optimizer`` is wrapped too. When it has just created an optstate
+  optimizer from one of these names, the Trainer gets an ``OptStateCallback`` unless it holds one
+  (the Trainer creates its optimizer before ``on_train_begin``, where the callback binds the
+  accumulation boundaries and, under FSDP2, rebinds release to the sharded parameters).
 
-If the installed transformers lacks either hook, :func:`register` raises :class:`RegistrationError`
-before changing anything (``Trainer(optimizer_cls_and_kwargs=...)`` still works there).
+The names and the enum step live in ``optstate_hf_names`` (standard library only), which the
+``.pth`` hook of an installed optstate runs when transformers is imported, and which imports this
+package once ``transformers.trainer`` has executed: the names then need no ``import optstate_hf``.
+
+If the installed transformers lacks the validation or dispatch hook, :func:`register` raises
+:class:`RegistrationError` before changing anything (``Trainer(optimizer_cls_and_kwargs=...)`` still
+works there); without ``create_optimizer`` the names still work, without the automatic callback.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
-from enum import Enum
-from typing import Callable, Dict
+from typing import Callable
+
+from optstate_hf_names import FAMILY_OF, OPTIM_NAMES, RegistrationError, add_enum_member, add_names, is_str_enum
+
+__all__ = ["FAMILY_OF", "OPTIM_NAMES", "RegistrationError", "add_enum_member", "attach_callback", "is_registered",
+           "register"]
 
 log = logging.getLogger("optstate.hf")
 
-#: ``optim`` name -> preset name in ``optstate_core.PRESETS``.
-OPTIM_NAMES: Dict[str, str] = {
-    "optstate_adamw": "default",
-    "optstate_adamw_8bit": "8bit",
-    "optstate_adamw_4bit": "4bit",
-    "optstate_adamw_offload": "offload",
-    # bf16 parameters (load the model in bf16 or oc.cast_model it) + fp32 masters as state
-    "optstate_adamw_bf16w_8bit": "bf16w-8bit",
-    "optstate_adamw_bf16w_4bit": "bf16w-4bit",
-    "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
-    "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
-    "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
-    "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
-    "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
-    "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload",
-}
-#: ``optim`` name -> the inner optimizer it builds: every AdamW name also exists for lion-pytorch's
-#: Lion and schedulefree's AdamWScheduleFree (``optstate_lion_8bit``: Lion with the ``8bit`` preset)
-_ADAMW_NAMES = dict(OPTIM_NAMES)
-FAMILY_OF: Dict[str, str] = dict.fromkeys(_ADAMW_NAMES, "adamw")
-for _prefix, _family in (("optstate_lion", "lion"), ("optstate_schedule_free_adamw", "schedule_free_adamw")):
-    for _adamw_name, _preset in _ADAMW_NAMES.items():
-        _name = _prefix + _adamw_name[len("optstate_adamw"):]
-        OPTIM_NAMES[_name], FAMILY_OF[_name] = _preset, _family
-
 HOOK = "get_optimizer_cls_and_kwargs"
+CREATE = "create_optimizer"
 _FALLBACK = ("Pass the optimizer instead: Trainer(..., optimizer_cls_and_kwargs="
              "optstate_hf.optimizer_cls_and_kwargs(args, preset='default'))")
-
-
-class RegistrationError(RuntimeError):
-    """The installed transformers offers no way to register an ``optim`` name."""
 
 
 def _version() -> str:
@@ -66,7 +51,7 @@ def _version() -> str:
 def _optimizer_names():
     from transformers.training_args import OptimizerNames
 
-    if not (isinstance(OptimizerNames, type) and issubclass(OptimizerNames, Enum) and issubclass(OptimizerNames, str)):
+    if not is_str_enum(OptimizerNames):
         raise RegistrationError(f"transformers {_version()}: transformers.training_args.OptimizerNames is not a str "
                                 f"Enum, so optim names cannot be added. {_FALLBACK}")
     return OptimizerNames
@@ -87,28 +72,6 @@ def _dispatch_hook():
     return Trainer, fn
 
 
-def add_enum_member(enum_cls, name: str, value: str):
-    """Add ``name = value`` to an existing (str) Enum, as its class statement would have; idempotent."""
-    existing = enum_cls._value2member_map_.get(value)
-    if existing is not None:
-        return existing
-    if name in enum_cls._member_map_:
-        raise RegistrationError(f"{enum_cls.__name__}.{name} exists with another value")
-    member = str.__new__(enum_cls, value)
-    member._name_ = name
-    member._value_ = value
-    member.__objclass__ = enum_cls
-    member._sort_order_ = len(enum_cls._member_names_)
-    if hasattr(enum_cls, "_add_member_"):  # Python >= 3.13
-        enum_cls._add_member_(name, member)
-    else:
-        type.__setattr__(enum_cls, name, member)
-        enum_cls._member_map_[name] = member
-    enum_cls._member_names_.append(name)
-    enum_cls._value2member_map_[value] = member
-    return member
-
-
 def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_optimizer_cls_and_kwargs(args, model=None):
@@ -124,15 +87,53 @@ def _wrap(original: Callable) -> Callable:
     return get_optimizer_cls_and_kwargs
 
 
+def attach_callback(trainer) -> bool:
+    """Give ``trainer`` an ``OptStateCallback`` if its optimizer is an optstate optimizer it built from one
+    of :data:`OPTIM_NAMES` (not one passed in, not ``optimizer_cls_and_kwargs``) and it holds none yet.
+    Returns whether one was added."""
+    optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+    if optim not in OPTIM_NAMES or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        return False
+    from .callback import OptStateCallback, find_virtual_optimizer
+
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is None or find_virtual_optimizer(getattr(trainer, "optimizer", None)) is None:
+        return False
+    if any(isinstance(callback, OptStateCallback) for callback in handler.callbacks):
+        return False
+    handler.add_callback(OptStateCallback())
+    log.info("optstate: optim=%r: added OptStateCallback to the Trainer (accumulation boundaries, warmup "
+             "switching, metrics; pass your own OptStateCallback(...) to configure it)", optim)
+    return True
+
+
+def _wrap_create(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def create_optimizer(self, *args, **kwargs):
+        creating = getattr(self, "optimizer", None) is None
+        optimizer = original(self, *args, **kwargs)
+        if creating:
+            attach_callback(self)
+        return optimizer
+
+    create_optimizer.optstate_original = original
+    return create_optimizer
+
+
 def register() -> None:
     """Register every name of :data:`OPTIM_NAMES` (idempotent). Raises RegistrationError, changing
     nothing, on a transformers without the two hooks."""
     names = _optimizer_names()
     trainer, fn = _dispatch_hook()
-    for optim in OPTIM_NAMES:
-        add_enum_member(names, optim.upper(), optim)
+    add_names(names)
     if not hasattr(fn, "optstate_original"):
         setattr(trainer, HOOK, staticmethod(_wrap(fn)))
+    create = trainer.__dict__.get(CREATE)
+    if not inspect.isfunction(create):
+        log.warning("optstate: transformers %s: Trainer.%s is not a method, so OptStateCallback is not added "
+                    "automatically: pass callbacks=[optstate_hf.OptStateCallback()]", _version(), CREATE)
+    elif not hasattr(create, "optstate_original"):
+        setattr(trainer, CREATE, _wrap_create(create))
     log.debug("registered optim names %s (transformers %s)", ", ".join(OPTIM_NAMES), _version())
 
 

@@ -57,6 +57,9 @@ KNOBS = (
          "tiles each Adam program loops over" + _PER_KIND.format(2, 16, 1)),
     Knob("OPTSTATE_MAXNREG", "0/64/0", "diagnosis", "import", _LAUNCH,
          "register cap of the Adam kernel, `0`: none" + _PER_KIND.format(0, 64, 0)),
+    Knob("OPTSTATE_HF_AUTOREGISTER", "1", "user", "interpreter start", "integrations/optstate_hf_names/__init__.py",
+         "`0` (or `false`, `no`, `off`): the `.pth` hook of an installed optstate stays off, so "
+         "`optim=\"optstate_...\"` is valid only after `import optstate_hf` (docs/hf.md)"),
     Knob("OPTSTATE_TORCH", "torch==2.13.0", "user", "install", "quickstart.py, .ci/run",
          "the torch requirement quickstart installs into a new virtualenv"),
     Knob("OPTSTATE_VENV", "./.venv", "user", "install", "quickstart.py, .ci/run",

@@ -3,7 +3,8 @@ version 2) and ``optim="optstate_adamw_8bit"`` on 2 processes, started by ``acce
 
 ``python hf_fsdp2_worker.py PHASE OUT_DIR [cuda]``: PHASE ``full`` trains 6 steps (accumulation 2,
 ``max_grad_norm``), saving a sharded checkpoint at step 3; ``resume`` continues from it; ``release``
-trains as ``full`` with gradient release (and counts what backward released). Each rank
+trains as ``full`` with gradient release (and counts what backward released); ``release_auto`` as
+``release`` without passing ``OptStateCallback`` (the Trainer gets it from the optim name). Each rank
 writes OUT_DIR/<phase>_rank<r>.pt (full parameters, its local optimizer state, state bytes, grad norms).
 
 On CPU Accelerate ignores the FSDP plugin (it picks FSDP only for accelerator devices, see
@@ -71,8 +72,8 @@ def main(phase: str, out_dir: str, device: str = "cpu") -> None:
     cls = CpuFsdpTrainer if device == "cpu" else Trainer
     overrides = fsdp_overrides(device)
     counter = ReleaseCounter()
-    callbacks = [optstate_hf.OptStateCallback()]
-    if phase == "release":  # gradient release: the Trainer's FSDP2 prepare swaps the parameters after wrap()
+    callbacks = [] if phase == "release_auto" else [optstate_hf.OptStateCallback()]
+    if phase in ("release", "release_auto"):  # gradient release: FSDP2's prepare swaps the parameters after wrap()
         overrides["optim_args"] += ",release_gradients=true"
         callbacks.append(counter)
     args = training_args(out_dir, save_strategy="steps", save_steps=SAVE_AT, **overrides)
@@ -89,7 +90,8 @@ def main(phase: str, out_dir: str, device: str = "cpu") -> None:
                 "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
                 "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                 "released": counter.released, "grads_left": counter.left,
-                "n_params": sum(1 for _ in model.parameters())},
+                "n_params": sum(1 for _ in model.parameters()),
+                "callbacks": [type(cb).__name__ for cb in trainer.callback_handler.callbacks]},
                os.path.join(out_dir, f"{phase}_rank{rank}.pt"))
     trainer.accelerator.wait_for_everyone()
 

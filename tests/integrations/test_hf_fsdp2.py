@@ -74,3 +74,14 @@ def test_trainer_fsdp2_releases_gradients_from_the_first_step(tmp_path):
         assert rank["released"] == [rank["n_params"]] * STEPS and rank["grads_left"] == [0] * STEPS
         assert len(rank["losses"]) == STEPS and rank["losses"][-1] < rank["losses"][0]
         assert len(rank["grad_norms"]) == STEPS and all(n > 0 for n in rank["grad_norms"])  # the optimizer's norm
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_trainer_fsdp2_release_without_passing_the_callback(tmp_path):
+    """As above with no callback passed: the Trainer that creates the optimizer from the optim name gets
+    OptStateCallback, which rebinds release to the sharded parameters at on_train_begin."""
+    for rank in launch("release_auto", tmp_path / "release_auto"):
+        assert rank["callbacks"].count("OptStateCallback") == 1
+        assert rank["sharded"] and rank["step_count"] == STEPS
+        assert rank["released"] == [rank["n_params"]] * STEPS and rank["grads_left"] == [0] * STEPS
+        assert len(rank["grad_norms"]) == STEPS and all(n > 0 for n in rank["grad_norms"])
