@@ -31,7 +31,9 @@ def memory_report(engine, param_groups) -> dict:
     and on CUDA the spans of the copies that ran beside compute, ``hidden_ms``), ``granularity``
     (how the wrapped optimizer is called: ``"elementwise"``, ``"tensor"`` or ``"step"``, see
     :mod:`optstate_core.step.granularity`) and ``transient_bytes`` (the full-precision state decoded
-    at once in the last step beyond what is stored: one chunk, or with ``"step"`` every parameter's).
+    at once in the last step beyond what is stored: one chunk, or with ``"step"`` every parameter's),
+    ``park_buffers`` (the phase switch's host buffers, kept across parks: ``bytes`` of their payloads,
+    ``pinned_bytes`` pinned for them, ``prepare_seconds`` spent pinning them ahead, see :mod:`~optstate_core.schedule.park_buffers`).
     """
     device_bytes = host_bytes = 0
     by_codec: Dict[str, int] = {}
@@ -80,6 +82,7 @@ def memory_report(engine, param_groups) -> dict:
         "prefetch": engine.schedule.area.report(),
         "granularity": engine.granularity,
         "transient_bytes": engine.metrics.peak_materialized_bytes,
+        "park_buffers": engine.park_buffers.report(),
     }
 
 

@@ -10,6 +10,7 @@
 * ``pin_ahead.py``     the first step's pinned host memory, predicted at wrap() and pinned on a thread
 * ``park.py``          the phase switch: all state parked in host memory and woken
                        (``offload()``/``reload()``/``parked()``)
+* ``park_buffers.py``  its host buffers, kept across parks and pinned ahead (``prepare_park()``)
 * ``conform.py``, ``follow.py``
                        re-storing state in the wanted form, and state that follows parameters
                        moved or recast after wrapping

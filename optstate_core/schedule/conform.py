@@ -89,24 +89,46 @@ class Conformer:
         """Move states whose codec stays the same by copying their payload (nothing is re-encoded,
         so a move there and back gives the same bytes); return the works that still need a
         re-encode. Uncompressed state is a raw tensor on the device and an encoded (identity
-        codec) one on the host: :func:`copy_stored` copies between the two forms."""
+        codec) one on the host: :func:`copy_stored` copies between the two forms.
+
+        While parked, host destinations are the park's kept buffers
+        (:class:`~optstate_core.schedule.park_buffers.ParkBuffers`). Copies to or from CUDA are
+        queued without blocking and waited for once, before the sources are dropped: the device
+        memory a park frees is free only after its bytes reached the host."""
         engine = self.engine
         moves: Dict[tuple, list] = {}
         for w in works:
-            for key, value in w.state.items():
-                if is_scalar_state(value) or keeps_own_shape(value, w.key):
-                    continue
-                codec = engine.codec_of(w, key)
-                host = engine.tier_of(w, key) == "host"
-                encoded = isinstance(value, EncodedTensor)
-                same_codec = value.codec == codec if encoded else codec.lossless
-                if same_codec and not matches(value, codec, host, w.param.device):
-                    shape = value.shape if encoded else local(value).shape
-                    moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value, shape))
+            for key, value, codec, host, shape in same_codec_moves(engine, w):
+                moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value, shape))
+        streams = set()
         for (codec, host, device, dtype), items in moves.items():
             pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
-            for (w, key, src, _), dst in zip(items, allocate_many(codec, [shape for *_, shape in items], dtype,
-                                                                   device, host, pin, engine.pinned)):
-                copy_stored(dst, src)
+            shapes = [shape for *_, shape in items]
+            if host and engine.parked:
+                dsts = engine.park_buffers.destinations([(w.info.index, key) for w, key, *_ in items], codec, shapes,
+                                                        dtype, device, pin)
+            else:
+                dsts = allocate_many(codec, shapes, dtype, device, host, pin, engine.pinned)
+            for (w, key, src, _), dst in zip(items, dsts):
+                copy_stored(dst, src, non_blocking=device.type == "cuda")
                 w.state[key] = like_param(w.key, dst) if isinstance(dst, torch.Tensor) and is_dtensor(w.key) else dst
+            if device.type == "cuda":
+                streams.add(torch.cuda.current_stream(device))
+        for stream in streams:
+            stream.synchronize()
+        moves.clear()  # the replaced states (the sources), copied now: their memory may go
         return [w for w in works if self.differs(w)]
+
+
+def same_codec_moves(engine, w: Work):
+    """``(key, value, codec, host, payload shape)`` of each state of a parameter that is not where the
+    policy wants it (``host``: the target tier) but keeps its codec, so it moves by a copy."""
+    for key, value in w.state.items():
+        if is_scalar_state(value) or keeps_own_shape(value, w.key):
+            continue
+        codec = engine.codec_of(w, key)
+        host = engine.tier_of(w, key) == "host"
+        encoded = isinstance(value, EncodedTensor)
+        same_codec = value.codec == codec if encoded else codec.lossless
+        if same_codec and not matches(value, codec, host, w.param.device):
+            yield key, value, codec, host, tuple(value.shape if encoded else local(value).shape)

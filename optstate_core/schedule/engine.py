@@ -28,6 +28,7 @@ import torch
 
 from . import park
 from .conform import Conformer
+from .park_buffers import ParkBuffers
 from ..step import passthrough_skip
 from ..step.backward_check import BackwardCheck
 from ..step.cpu_step import groups_still_eligible, run_cpu_plans
@@ -95,6 +96,7 @@ class Engine:
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
         self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
+        self.park_buffers = ParkBuffers()  # the phase switch's host buffers, kept across parks
 
     @property
     def prefetch_during_backward(self) -> bool:
@@ -161,6 +163,7 @@ class Engine:
         self.schedule.end_step(self.metrics, self.transfers)  # bytes per phase; unused prefetches dropped
         if self.pinned.ahead is not None:  # the first step is over: what it did not ask for goes
             self.pinned.end_ahead()
+        self.park_buffers.after_step(self)  # prepare_park() before the first step: pinning starts now
         self.metrics.total_ms = (time.perf_counter() - t0) * 1e3
 
     def _whole_step(self):
@@ -355,6 +358,7 @@ class Engine:
         self.invalidate_plan()
         self.state.clear()
         self.pinned.close()
+        self.park_buffers.close()
 
     def nonfinite_skipped(self) -> int:
         """Parameters skipped for NaN/inf gradients so far (reads the fused path's device counter)."""

@@ -8,6 +8,11 @@ tiny tensors alike. State of its own shape (Adafactor's factors, :func:`~optstat
 moves to host memory as it is and back to the device it came from. Step counters and other scalars
 stay where they are.
 
+The host buffers are kept while the state is awake and reused by the next park, so the pinned
+memory held does not grow with the cycles; ``prepare_park()`` pins them ahead, on a thread, so the
+first park is as fast as the later ones (:mod:`.park_buffers`). Copies to and from the GPU are
+queued together and waited for once; a park drops the device state only after its copies are done.
+
 The first update after a park wakes the state (``step()``, or with gradient release the first
 gradient released in backward): an update needs the state on the device anyway, and training
 after ``offload()`` has always continued exactly, so a forgotten ``reload()`` costs one wake, not a
@@ -119,6 +124,16 @@ class PhaseSwitch:
         was not called (docs/rl.md)."""
         check_empty_cache(empty_cache)
         park(self._engine, empty_cache)
+
+    def prepare_park(self, wait: bool = False) -> None:
+        """Pin the host buffers that parking needs ahead, on a background thread, so that the first
+        :meth:`offload` only copies (later parks reuse the first one's buffers anyway). Called
+        before the first step, it starts at the end of that step, when the state exists. They
+        hold as much host memory as the state holds on the GPU, page-locked, from now on.
+        ``wait``: return once they are pinned. A park before they are waits for them."""
+        if not isinstance(wait, bool):
+            raise ValueError(f"wait must be True or False, got {wait!r}")
+        self._engine.park_buffers.prepare(self._engine, wait)
 
     def reload(self) -> None:
         """Wake: bring state back to the GPU as far as the policy and ``gpu_budget`` allow.

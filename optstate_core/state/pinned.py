@@ -200,6 +200,7 @@ class PinnedArena:
         self.pin = pin
         self._fills: Dict[torch.dtype, _Fills] = {}
         self.slabs_allocated = 0  # slabs asked for so far (oversized requests included)
+        self.bytes_allocated = 0  # their bytes
         self.ahead: Optional[PinAhead] = None  # allocations pinned ahead of the first step
 
     def _place(self, fills: Dict[torch.dtype, _Fills], padded: int, dtype: torch.dtype) -> Tuple[Optional[_Open], int, int]:
@@ -265,6 +266,7 @@ class PinnedArena:
         slab, offset, new = self._place(self._fills, padded_bytes(numel, dtype), dtype)
         if new:
             self.slabs_allocated += 1
+            self.bytes_allocated += new
             memory = self._bytes(new)
             if slab is None:  # an allocation of its own
                 return memory[:nbytes].view(dtype)[:numel].view(shape)

@@ -125,14 +125,15 @@ def payload_views(value) -> dict:
     return {"data": t.view(shape) if t.is_contiguous() else t.reshape(shape)}
 
 
-def copy_stored(dst, src) -> None:
+def copy_stored(dst, src, non_blocking: bool = False) -> None:
     """Copy a stored state into storage of the same codec made elsewhere (another tier or device,
     by :func:`allocate_many`). Either side may be an :class:`EncodedTensor` or, for a lossless
     codec on the device, a raw tensor: a parked uncompressed state is an encoded one on the host
-    that wakes as a raw tensor, and the other way round."""
+    that wakes as a raw tensor, and the other way round. ``non_blocking``: queue CUDA copies (the
+    caller waits for them before reading the destination or dropping the source)."""
     out = payload_views(dst)
     for name, t in payload_views(src).items():
-        out[name].copy_(t)
+        out[name].copy_(t, non_blocking=non_blocking)
 
 
 def state_nbytes(value) -> int:

@@ -2,7 +2,8 @@
 (``memory_allocated`` drops by at least the state's device bytes; with ``empty_cache`` the caching
 allocator keeps under 0.5 GiB unused), a wake restores it, and training continues bit for bit as
 without the switch, for compressed, uncompressed and master-weight state, with and without
-gradient release (an update while parked wakes the state first), and for state of its own shape."""
+gradient release (an update while parked wakes the state first), and for state of its own shape;
+later parks reuse the first one's pinned buffers, and ``prepare_park()`` pins them ahead."""
 import pytest
 import torch
 
@@ -106,4 +107,30 @@ def test_state_of_its_own_shape_leaves_the_gpu_and_comes_back():
             with opt.parked():
                 assert all(opt.state[weight][k].device.type == "cpu" for k in own)
             assert all(opt.state[weight][k].device == weight.device for k in own)
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(ref_model)))
+
+
+def test_parks_reuse_their_pinned_buffers_and_a_prepared_first_park_pins_nothing():
+    """prepare_park() pins the host buffers on a thread after the first step; no park then makes a
+    pinned block (torch's host allocator counts them), the buffers are page-locked, the pinned bytes
+    held stay those of the first park, and training continues bit for bit."""
+    ref_model, ref = _build("bf16w-4bit-lean", False)
+    _train(ref_model, ref, 2, seed=1)
+    _train(ref_model, ref, 2, seed=2)
+    model, opt = _build("bf16w-4bit-lean", False)
+    opt.prepare_park()
+    _train(model, opt, 2, seed=1)
+    opt.prepare_park(wait=True)
+    torch.cuda.synchronize()
+    held = opt.memory_report()["park_buffers"]
+    assert held["bytes"] == opt.memory_report()["device_bytes"] > 0 and held["pinned_bytes"] >= held["bytes"]
+    blocks = torch.cuda.host_memory_stats().get("num_host_alloc")
+    for _ in range(4):
+        with opt.parked(empty_cache=True):
+            values = [v for st in opt.state.values() for v in st.values() if isinstance(v, oc.EncodedTensor)]
+            assert values and all(t.is_pinned() for v in values for t in v.payload.values())
+    if blocks is not None:
+        assert torch.cuda.host_memory_stats()["num_host_alloc"] == blocks
+    assert opt.memory_report()["park_buffers"] == held
+    _train(model, opt, 2, seed=2)
     assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(ref_model)))
