@@ -301,9 +301,9 @@ own class, or when unwrapped it does not train the task with the settings given 
 loss stays above 80% of the initial one, or is not finite). Schedule-free optimizers are switched
 with `train()` before the steps and `eval()` before the held-out loss (through the wrapper when
 wrapped).
-heavyball runs eager (its `torch.compile` is turned off). An optimizer that draws random numbers
-from a stream of its own (pytorch-optimizer's Kron) does not repeat itself run twice unwrapped, so
-its `differs` is not the wrapper's doing. `fp32 exact`: whether the wrapped `fp32`
+heavyball runs eager (its `torch.compile` is turned off). The task seeds torch's and numpy's global
+random streams, so an optimizer that draws from them (pytorch-optimizer's Kron uses numpy's)
+repeats itself. `fp32 exact`: whether the wrapped `fp32`
 run ends with weights `torch.equal` to the unwrapped run's on every seed (`differs`: it does not).
 State bits/param count what `memory_report()` counts on this small model (tensors under 4096
 elements stay fp32)."""

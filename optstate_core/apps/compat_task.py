@@ -14,6 +14,18 @@ def task(seed: int, bias: bool):
     teacher = [torch.randn(64, 128, generator=gen) / 8, torch.randn(128, 8, generator=gen) / 11]
     y = torch.nn.functional.gelu(x @ teacher[0]) @ teacher[1] + 0.1 * torch.randn(len(x), 8, generator=gen)
     torch.manual_seed(seed)
+    _seed_numpy(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=bias), torch.nn.GELU(),
                                 torch.nn.Linear(256, 256, bias=bias), torch.nn.GELU(), torch.nn.Linear(256, 8, bias=bias))
     return model, (x[:TRAIN], y[:TRAIN]), (x[TRAIN:], y[TRAIN:]), gen
+
+
+def _seed_numpy(seed: int) -> None:
+    """Seed numpy's global stream too: some optimizers draw from it (pytorch-optimizer's Kron picks
+    its preconditioner-balancing steps with ``np.random.random()``), and an unseeded draw makes two
+    runs of the same optimizer differ."""
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
