@@ -136,7 +136,7 @@ class Engine:
 
     def _drop_nonfinite(self, works):
         """The works (or CPU plans) whose gradients are finite; the others are counted and reported."""
-        kept, skipped = split_nonfinite(works)
+        kept, skipped = split_nonfinite(works, empty_shards_agree=not self.fused._kernel_device(works[0].grad))
         if skipped:
             self.nonfinite_host += len(skipped)
             log.warning("step %d: non-finite gradient (NaN, inf or |g| >= 2**64), update skipped for %s",

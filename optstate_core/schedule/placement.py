@@ -27,7 +27,7 @@ class Placement:
     def codec_of(self, w: Work, key: str, step: int):
         """The policy's codec, unless the parameter's sharding cannot keep whole blocks per rank."""
         codec = self.policy.codec_for(w.info, key, step)
-        if not codec.lossless and is_dtensor(w.key) and slab_placements(w.key) is None:
+        if not codec.lossless and is_dtensor(w.key) and slab_placements(w.key, codec.granularity) is None:
             return FP32Codec()
         return codec
 

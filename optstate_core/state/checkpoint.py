@@ -43,13 +43,16 @@ def _parse_dtype(name: str) -> torch.dtype:
 
 def pack_value(value, param=None):
     """One state value for a checkpoint. For a DTensor parameter the payload goes out as
-    DTensors on its mesh with global shapes (so DCP saves every rank's shard). A shard layout
-    that cannot keep whole blocks (a 1-D tensor split into shards of other than 256k elements)
-    keeps its state uncompressed; held in host memory it is still an encoded (lossless) value,
-    and goes out decoded, laid out like the parameter, as a resident uncompressed state does
-    (its payload as one DTensor would claim every rank's shard is the whole tensor)."""
+    DTensors on its mesh with global shapes (so DCP saves every rank's shard, and a load on
+    another mesh reads the same global payload). A 1-D parameter's shards split its slab row:
+    per-element codecs (fp32, bf16, fp24, corrections) go out that way on any mesh, block codecs
+    only where the shards hold whole blocks (elsewhere the state is kept fp32). A layout that
+    keeps no whole slab rows or columns per rank (``Shard(d > 0)``, ``Partial``) keeps its state
+    uncompressed; held in host memory it is still an encoded (lossless) value, and goes out
+    decoded, laid out like the parameter, as a resident uncompressed state does (its payload as
+    one DTensor would claim every rank's shard is the whole tensor)."""
     if isinstance(value, EncodedTensor):
-        if param is not None and is_dtensor(param) and slab_placements(param) is None:
+        if param is not None and is_dtensor(param) and slab_placements(param, value.codec.granularity) is None:
             return like_param(param, value.decode(local(param).device).reshape(local(param).shape))
         shape, payload = list(value.shape), dict(value.payload)
         if param is not None and is_dtensor(param):

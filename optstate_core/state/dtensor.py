@@ -5,8 +5,9 @@ Blocks run along the rows of the ``[rows, cols]`` slab of the *global* shape, so
 (``Shard(0)`` of a tensor with 2+ dims, what FSDP2 uses) holds whole blocks and encodes
 exactly the rows of the unsharded encoding; DCP can then reshard the encoded state like any
 row-sharded tensor. A 1-D tensor sharded on dim 0 splits its single slab row: it keeps block
-alignment only when the shard size is a multiple of 256 (decided from the global shape, so
-every rank agrees); other layouts keep their state uncompressed.
+alignment only when the shard size is a multiple of the codec's granularity (256 for the block
+codecs; any size for the per-element ones: bf16, fp24, master corrections), decided from the global
+shape and the codec, so every rank agrees; other layouts keep their state uncompressed.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def local(t):
     return t._local_tensor if is_dtensor(t) else t
 
 
-def slab_placements(param) -> Optional[list]:
-    """Placements of the payload slab ``[rows, cols]`` of a DTensor parameter, or None when
-    the layout cannot keep whole blocks on every rank (then the state stays uncompressed)."""
+def slab_placements(param, granularity: int = 256) -> Optional[list]:
+    """Placements of the payload slab ``[rows, cols]`` of a DTensor parameter, or None when the
+    layout cannot keep whole blocks of ``granularity`` elements (a codec's) on every rank (then
+    the state stays uncompressed)."""
     placements = []
     for pl in param.placements:
         if isinstance(pl, Replicate):
@@ -43,7 +45,7 @@ def slab_placements(param) -> Optional[list]:
             else:  # a 1-D tensor: shards split columns of its single slab row
                 world = param.device_mesh.size(len(placements))
                 chunk = -(-param.shape[0] // world)
-                if chunk % 256:
+                if chunk % granularity:
                     return None
                 placements.append(Shard(1))
         else:
@@ -90,7 +92,7 @@ def agree_on_flags(flags: torch.Tensor) -> torch.Tensor:
 
 def payload_to_dtensor(param, enc, global_slab) -> dict:
     """An encoded state's local payload as DTensors with the global payload shapes."""
-    placements = slab_placements(param)
+    placements = slab_placements(param, enc.codec.granularity)
     layout = enc.codec.payload_layout(*global_slab, enc.dtype)
     return {name: as_dtensor(param, t, layout[name][0], placements) for name, t in enc.payload.items()}
 

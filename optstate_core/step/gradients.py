@@ -35,15 +35,25 @@ def collect(param_infos: Iterable[Tuple[torch.Tensor, ParamInfo]], state: StateM
     return works
 
 
-def split_nonfinite(works: List[Work]) -> Tuple[List[Work], List[Work]]:
+def split_nonfinite(works: List[Work], empty_shards_agree: bool = False) -> Tuple[List[Work], List[Work]]:
     """``(finite, nonfinite)`` works by their gradients; one host synchronisation per device.
-    Under FSDP2 a shard's NaN marks the parameter on every rank."""
+    Under FSDP2 a shard's NaN marks the parameter on every rank: the ranks all-reduce one flag per
+    work, so their works must line up. ``empty_shards_agree``: every rank steps these works on the
+    reference path (the CPU), so a rank's empty shards (FSDP2 gives a rank none of a tensor with
+    fewer rows than ranks) take part too, with flag 0, in one all-reduce; else (the kernels' devices,
+    where only a rank holding none of a parameter steps it here) they stay out."""
     by_device: Dict[torch.device, List[int]] = {}
     for i, w in enumerate(works):
         if w.grad.numel():
             by_device.setdefault(w.grad.device, []).append(i)
     finite = [True] * len(works)
     distributed = any_distributed([w.key for w in works])
+    if distributed and empty_shards_agree:
+        flags = torch.zeros(len(works), dtype=torch.int32, device=works[0].grad.device)
+        for idx in by_device.values():
+            flags[idx] = (~finite_flags([works[i].grad for i in idx])).to(flags.device, torch.int32)
+        finite = [not flag for flag in agree_on_flags(flags).tolist()]  # the step's one sync
+        by_device = {}
     for idx in by_device.values():
         bad = (~finite_flags([works[i].grad for i in idx])).to(torch.int32)
         if distributed:
