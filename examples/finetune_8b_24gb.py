@@ -83,6 +83,12 @@ STARTED = time.perf_counter()  # the script's start: the JSON's ``since_start_s`
 # so the activations of a larger micro-batch fit the cap without fragmentation (docs/benchmarks-journal.md section 28).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_cuda_host_register:True,"
                                                  "pinned_num_register_threads:8")
+# A one-GPU recipe unless launched with torchrun: run as a plain process on a machine with several
+# GPUs, the HF Trainer would replicate the model over all of them with nn.DataParallel (which the
+# chunked loss and gradient release do not support); so it sees the first GPU only (unless the caller
+# chose the GPUs).
+if "WORLD_SIZE" not in os.environ:
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
 
 import torch  # noqa: E402
 
