@@ -330,15 +330,10 @@ class AdaptiveWarmupPolicy(WarmupPolicy):
 
     wants_loss = True
 
-    def __init__(self, warmup_steps: int = 100, momentum_key: str = "exp_avg", variance_key: str = "exp_avg_sq",
-                 variance_codec: CodecSpec = None, min_int8_elements: int = 4096,
-                 small_tensor_codec: CodecSpec = None, patience: int = 5, tol: float = 1e-3,
-                 device_resident: Optional[bool] = None, momentum_codec: CodecSpec = "int8", rules=None,
-                 named_parameters=None, master_correction: CodecSpec = None, master_tier: Optional[str] = None,
-                 optimizer_codecs: Optional[Mapping[str, Mapping[str, CodecSpec]]] = None):
-        super().__init__(warmup_steps, momentum_key, variance_key, variance_codec, min_int8_elements,
-                         small_tensor_codec, device_resident, momentum_codec, rules, named_parameters,
-                         master_correction, master_tier, optimizer_codecs)
+    def __init__(self, warmup_steps: int = 100, *, patience: int = 5, tol: float = 1e-3, **options):
+        """``options``: :class:`WarmupPolicy`'s, by keyword (one list: every option the parent gains
+        is accepted here too)."""
+        super().__init__(warmup_steps, **options)
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         if not (isinstance(tol, (int, float)) and 0 <= tol < 1):

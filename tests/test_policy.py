@@ -129,3 +129,20 @@ def test_adaptive_invalid_arguments():
         oc.AdaptiveWarmupPolicy(patience=0)
     with pytest.raises(ValueError, match="tol"):
         oc.AdaptiveWarmupPolicy(tol=2.0)
+
+
+@pytest.mark.parametrize("preset", sorted(oc.PRESETS))
+def test_adaptive_policy_takes_every_option_of_the_preset(preset):
+    """AdaptiveWarmupPolicy accepts every WarmupPolicy option (it lost iterate_codec when it listed
+    them itself, so an ``*-it24`` preset with ``adaptive`` could not be built) and builds the same codecs."""
+    options = oc.PRESETS[preset]
+    plain, adaptive = oc.WarmupPolicy(**options), oc.AdaptiveWarmupPolicy(**options, patience=2)
+    for attr in ("warmup_steps", "momentum_codec", "variance_codec", "iterate_codec", "small_tensor_codec",
+                 "min_int8_elements", "device_resident", "master_correction", "master_tier"):
+        assert getattr(adaptive, attr) == getattr(plain, attr), attr
+    assert adaptive.patience == 2
+
+
+def test_adaptive_policy_names_an_unknown_option():
+    with pytest.raises(TypeError, match="no_such_option"):
+        oc.AdaptiveWarmupPolicy(no_such_option=1)
