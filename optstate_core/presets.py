@@ -96,6 +96,17 @@ def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = No
     return VirtualOptimizer(optimizer, policy, **options)
 
 
+def unwrap(optimizer, depth: int = 8) -> Optional[VirtualOptimizer]:
+    """The :class:`VirtualOptimizer` inside a framework's optimizer (``optimizer`` itself, or the
+    one a wrapper keeps as ``.optimizer``: Accelerate's ``AcceleratedOptimizer``, Lightning's,
+    DeepSpeed's, up to ``depth`` wrappers deep), or None."""
+    for _ in range(depth):
+        if isinstance(optimizer, VirtualOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
 def auto_wrap(optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, chunk_size: Optional[int] = None,
               chunk_size_on_cuda: Optional[int] = None, initial_chunk_size: Optional[int] = None,
               pin_memory: Optional[bool] = None, profile: bool = False, **options) -> VirtualOptimizer:

@@ -11,13 +11,9 @@ _MAX_NESTING = 8  # AcceleratedOptimizer -> (DeepSpeed/other wrappers) -> Virtua
 def unwrap_optimizer(optimizer) -> oc.VirtualOptimizer:
     """The :class:`optstate_core.VirtualOptimizer` inside ``optimizer`` (an ``AcceleratedOptimizer``
     or any wrapper exposing ``.optimizer``), or ``optimizer`` itself if it is one."""
-    current = optimizer
-    for _ in range(_MAX_NESTING):
-        if isinstance(current, oc.VirtualOptimizer):
-            return current
-        current = getattr(current, "optimizer", None)
-        if current is None:
-            break
+    found = oc.unwrap(optimizer, _MAX_NESTING)
+    if found is not None:
+        return found
     raise ValueError(f"optimizer must be an optstate optimizer (optstate_core.wrap(...)) or a prepared one "
                      f"wrapping it; got {type(optimizer).__name__}")
 

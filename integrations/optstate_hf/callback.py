@@ -14,12 +14,8 @@ log = logging.getLogger("optstate.hf")
 
 def find_virtual_optimizer(optimizer) -> Optional[oc.VirtualOptimizer]:
     """The VirtualOptimizer inside the Trainer's optimizer (Accelerate's AcceleratedOptimizer
-    keeps it as ``.optimizer``), or None."""
-    for _ in range(4):
-        if isinstance(optimizer, oc.VirtualOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-    return None
+    keeps it as ``.optimizer``), or None (:func:`optstate_core.unwrap`)."""
+    return oc.unwrap(optimizer)
 
 
 def _run_first(callback) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -26,14 +26,7 @@ log = logging.getLogger("optstate.rl")
 VERL_SOURCE = "verl.utils.fsdp_utils"
 
 
-def virtual_optimizer(optimizer) -> Optional[oc.VirtualOptimizer]:
-    """The optstate optimizer in ``optimizer`` (itself, or kept as ``.optimizer`` by a wrapper such
-    as Accelerate's), or None."""
-    for _ in range(4):
-        if isinstance(optimizer, oc.VirtualOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-    return None
+virtual_optimizer = oc.unwrap  # the optstate optimizer in a framework's optimizer, or None
 
 
 def _verl_offload(original):

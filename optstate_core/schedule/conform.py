@@ -7,8 +7,8 @@ from typing import Dict, List
 import torch
 
 from ..state.codecs import EncodedTensor
-from ..state.dtensor import is_dtensor, like_param, local
-from ..state.store import allocate, allocate_many, copy_stored, is_scalar_state, keeps_own_shape, matches
+from ..state.dtensor import local
+from ..state.store import allocate, allocate_many, as_stored, copy_stored, is_scalar_state, keeps_own_shape, matches
 from ..step.work import Work
 
 
@@ -54,8 +54,7 @@ class Conformer:
             values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin,
                                    engine.pinned)
             for (w, key), value in zip(items, values):
-                w.dest[key] = like_param(w.key, value) if isinstance(value, torch.Tensor) and is_dtensor(w.key) \
-                    else value
+                w.dest[key] = as_stored(w.key, value)
 
     def destination(self, w: Work, key: str, value: torch.Tensor):
         engine = self.engine
@@ -66,7 +65,7 @@ class Conformer:
             return current
         pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
         dest = allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin, engine.pinned)
-        return like_param(w.key, dest) if isinstance(dest, torch.Tensor) and is_dtensor(w.key) else dest
+        return as_stored(w.key, dest)
 
     def conform(self, params=None) -> None:
         """Re-store state in the form the policy wants now (no update), tile by tile; a state
@@ -111,7 +110,7 @@ class Conformer:
                 dsts = allocate_many(codec, shapes, dtype, device, host, pin, engine.pinned)
             for (w, key, src, _), dst in zip(items, dsts):
                 copy_stored(dst, src, non_blocking=device.type == "cuda")
-                w.state[key] = like_param(w.key, dst) if isinstance(dst, torch.Tensor) and is_dtensor(w.key) else dst
+                w.state[key] = as_stored(w.key, dst)
             if device.type == "cuda":
                 streams.add(torch.cuda.current_stream(device))
         for stream in streams:

@@ -91,7 +91,7 @@ def spread_residency(needs: List[int], room: int) -> List[bool]:
     the resident share spread evenly along the order (a parameter stays when the share it has
     accrued covers half of it), then the room left filled in order. Spread, the streamed state is
     spread over backward too: its copies overlap all of backward's compute instead of queueing at
-    one end of it while the other end moves nothing (BENCHMARKS.md section 29 compared it with
+    one end of it while the other end moves nothing (the benchmarks journal's section 29 compared it with
     the first parameters kept while they fit: 0.91x against 0.87x of resident at 32 GB)."""
     total = sum(needs)
     if total <= room:

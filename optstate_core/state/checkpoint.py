@@ -23,7 +23,7 @@ import torch
 from .codecs import EncodedTensor, codec_from_config, slab_shape
 from .dtensor import is_dtensor, like_param, local, local_rows_of, payload_to_dtensor, slab_placements
 from .master_weights import MASTER_KEY
-from .store import ParamState, allocate_many, copy_stored, is_scalar_state
+from .store import ParamState, allocate_many, as_stored, copy_stored, is_scalar_state
 
 
 FORMAT_VERSION = 1
@@ -261,7 +261,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         placed = allocate_many(codec, [src.shape for _, _, src, _ in items], dtype, device, host, pin, engine.pinned)
         for (st, key, src, param), dst in zip(items, placed):
             copy_stored(dst, src)  # a lossless codec on the device is placed as a raw tensor
-            st[key] = like_param(param, dst) if isinstance(dst, torch.Tensor) and is_dtensor(param) else dst
+            st[key] = as_stored(param, dst)
 
     # Everything validated: commit.
     engine.sync_transfers()

@@ -14,7 +14,7 @@ import torch
 
 from .codecs import Codec, EncodedTensor, slab_shape
 from .pinned import ALIGN_BYTES, PinnedArena
-from .dtensor import local
+from .dtensor import is_dtensor, like_param, local
 
 
 class ParamState(dict):
@@ -136,6 +136,13 @@ def copy_stored(dst, src, non_blocking: bool = False) -> None:
         out[name].copy_(t, non_blocking=non_blocking)
 
 
+def as_stored(param, value):
+    """A state that :func:`allocate_many` made for ``param``, in the form the state mapping keeps:
+    a raw tensor (a lossless codec on the device) takes the parameter's DTensor form, an
+    :class:`EncodedTensor` stays as it is."""
+    return like_param(param, value) if isinstance(value, torch.Tensor) and is_dtensor(param) else value
+
+
 def state_nbytes(value) -> int:
     """Bytes this process holds for one state value (a DTensor counts its local shard only)."""
     if isinstance(value, EncodedTensor):
@@ -147,4 +154,4 @@ def state_nbytes(value) -> int:
 
 
 __all__ = ["ParamState", "StateMap", "is_scalar_state", "keeps_own_shape", "copy_scalar", "matches", "allocate", "allocate_many", "payload_layout_of",
-           "payload_views", "copy_stored", "state_nbytes"]
+           "payload_views", "copy_stored", "as_stored", "state_nbytes"]

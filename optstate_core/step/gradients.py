@@ -46,20 +46,20 @@ def split_nonfinite(works: List[Work], empty_shards_agree: bool = False) -> Tupl
     for i, w in enumerate(works):
         if w.grad.numel():
             by_device.setdefault(w.grad.device, []).append(i)
-    finite = [True] * len(works)
     distributed = any_distributed([w.key for w in works])
-    if distributed and empty_shards_agree:
+    if distributed and empty_shards_agree:  # one flag per work on every rank, empty shards' 0 included
         flags = torch.zeros(len(works), dtype=torch.int32, device=works[0].grad.device)
         for idx in by_device.values():
             flags[idx] = (~finite_flags([works[i].grad for i in idx])).to(flags.device, torch.int32)
         finite = [not flag for flag in agree_on_flags(flags).tolist()]  # the step's one sync
-        by_device = {}
-    for idx in by_device.values():
-        bad = (~finite_flags([works[i].grad for i in idx])).to(torch.int32)
-        if distributed:
-            bad = agree_on_flags(bad)
-        for i, flag in zip(idx, bad.tolist()):  # the step's one sync
-            finite[i] = not flag
+    else:
+        finite = [True] * len(works)
+        for idx in by_device.values():
+            bad = (~finite_flags([works[i].grad for i in idx])).to(torch.int32)
+            if distributed:
+                bad = agree_on_flags(bad)
+            for i, flag in zip(idx, bad.tolist()):  # the step's one sync
+                finite[i] = not flag
     return [w for w, ok in zip(works, finite) if ok], [w for w, ok in zip(works, finite) if not ok]
 
 
