@@ -167,6 +167,11 @@ class WarmupPolicy(Policy):
             still come first, small tensors still take ``small_tensor_codec``). The presets use it
             where an optimizer's state needs another codec (docs/compatibility.md). The wrapper
             tells the policy its optimizer (:meth:`bind_optimizer`).
+        whole_blocks_1d: True (default): a 1-D state whose length is not a whole number of its
+            codec's blocks takes ``small_tensor_codec`` (fp32 if that is a block codec too), so
+            the codec a parameter gets is the same in one process and under FSDP2 on any mesh
+            whose shards hold whole blocks, and its checkpoints reshard (:func:`splits_blocks`).
+            False: it keeps the block codec in one process (and is fp32 where FSDP2 cuts its blocks).
     """
 
     def __init__(self, warmup_steps: int = 100, momentum_key: str = "exp_avg", variance_key: str = "exp_avg_sq",
@@ -175,7 +180,7 @@ class WarmupPolicy(Policy):
                  momentum_codec: CodecSpec = "int8", rules=None, named_parameters=None,
                  master_correction: CodecSpec = None, master_tier: Optional[str] = None,
                  optimizer_codecs: Optional[Mapping[str, Mapping[str, CodecSpec]]] = None,
-                 iterate_codec: CodecSpec = None):
+                 iterate_codec: CodecSpec = None, whole_blocks_1d: bool = True):
         if master_tier not in (None, "device", "host"):
             raise ValueError(f"master_tier must be None, 'device' or 'host', got {master_tier!r}")
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
@@ -203,6 +208,9 @@ class WarmupPolicy(Policy):
                              f"got {master_correction!r}")
         self.optimizer_codecs = _parse_optimizer_codecs(optimizer_codecs)
         self.iterate_codec = get_codec(iterate_codec)
+        if not isinstance(whole_blocks_1d, bool):
+            raise ValueError(f"whole_blocks_1d must be True or False, got {whole_blocks_1d!r}")
+        self.whole_blocks_1d = whole_blocks_1d
         self._optimizer: Optional[str] = None  # the class name of the optimizer served (bind_optimizer)
         self._names: Dict[int, str] = {}
         self._cache: Dict[tuple, Codec] = {}
@@ -276,6 +284,8 @@ class WarmupPolicy(Policy):
                              "iterate": self.iterate_codec}[role]
                 if not codec.lossless and info.numel < self.min_int8_elements:
                     codec = self.small_tensor_codec
+            if self.whole_blocks_1d and splits_blocks(codec, info.shape):
+                codec = FP32Codec() if splits_blocks(self.small_tensor_codec, info.shape) else self.small_tensor_codec
             codec = codec.specialize(nonnegative=(role == "variance"))
             self._cache[cache_key] = codec
         return codec
@@ -316,6 +326,13 @@ class WarmupPolicy(Policy):
         master += f", iterate={self.iterate_codec!r}" if not self.iterate_codec.lossless else ""
         return (f"{type(self).__name__}(warmup_steps={self.warmup_steps}, momentum={self.momentum_codec!r}, "
                 f"variance={self.variance_codec!r}{master})")
+
+
+def splits_blocks(codec: Codec, shape) -> bool:
+    """A 1-D state whose length is not a whole number of the codec's blocks: sharded, its last
+    block would straddle ranks, so it takes the small-tensor codec on every mesh (one process
+    included), and the codec a parameter gets does not depend on the mesh."""
+    return not codec.lossless and len(shape) == 1 and shape[0] % codec.granularity != 0
 
 
 class AdaptiveWarmupPolicy(WarmupPolicy):

@@ -40,8 +40,8 @@ PRESETS = {
     "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
                     variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False,
                     optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
-    # the smallest state: 4-bit for every tensor, biases and norms included (tests/test_fidelity.py's
-    # 300-step task: +1.41% of AdamW's tail loss, where "4bit", small tensors fp32, is +0.31%)
+    # the smallest state: 4-bit for every tensor, biases and norms included (a 1-D one of a
+    # length that is not a whole number of 256-blocks stays fp32: policy.splits_blocks)
     "4bit-all": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
                      min_int8_elements=0, optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
 }
@@ -177,7 +177,7 @@ def wrap_max_compression_adamw(params: Iterable, lr: float = 1e-3, weight_decay:
     ``"4bit-all"`` preset."""
     policy = WarmupPolicy(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
                           variance_codec=Int8Codec(stochastic_rounding=True), min_int8_elements=0,
-                          device_resident=device_resident)
+                          whole_blocks_1d=False, device_resident=device_resident)
     return VirtualOptimizer(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **adamw_kwargs), policy,
                             chunk_size=chunk_size, chunk_size_on_cuda=chunk_size_on_cuda,
                             initial_chunk_size=initial_chunk_size, pin_memory=pin_memory)

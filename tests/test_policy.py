@@ -146,3 +146,18 @@ def test_adaptive_policy_takes_every_option_of_the_preset(preset):
 def test_adaptive_policy_names_an_unknown_option():
     with pytest.raises(TypeError, match="no_such_option"):
         oc.AdaptiveWarmupPolicy(no_such_option=1)
+
+
+def test_ragged_1d_states_take_the_small_tensor_codec_on_every_mesh():
+    """A 1-D state that is not a whole number of blocks would straddle ranks when sharded, so it
+    is fp32 in one process too (the reshard test checks the meshes); 2-D and aligned 1-D keep int4."""
+    from optstate_core.policy import ParamInfo
+
+    policy = oc.make_policy("4bit-all")
+    codec = lambda shape: policy.codec_for(ParamInfo(0, 0, shape, torch.float32), "exp_avg", 0).name
+    assert codec((3,)) == codec((4097,)) == "fp32"
+    assert codec((512,)) == codec((2, 3)) == "int4"
+    int8_all = oc.WarmupPolicy(warmup_steps=0, min_int8_elements=0, whole_blocks_1d=False)
+    assert int8_all.codec_for(ParamInfo(0, 0, (3,), torch.float32), "exp_avg", 0).name == "int8"
+    with pytest.raises(ValueError, match="whole_blocks_1d"):
+        oc.WarmupPolicy(whole_blocks_1d=1)

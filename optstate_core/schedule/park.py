@@ -4,7 +4,7 @@ an RL rollout or an evaluation (``offload()`` / ``reload()`` / ``with opt.parked
 Parking re-stores every state in the codec it has, on the host tier (:class:`~optstate_core.schedule.conform.Conformer`:
 a payload copy, nothing is re-encoded), so waking gives back the same bytes and training continues
 bit for bit as if nothing had moved: compressed and uncompressed state, master-weight corrections,
-tiny tensors alike. State of its own shape (Adafactor's factors, :func:`~optstate_core.state.store.keeps_own_shape`)
+tiny tensors alike; the staging ring that offloaded state streams through is freed too. State of its own shape (Adafactor's factors, :func:`~optstate_core.state.store.keeps_own_shape`)
 moves to host memory as it is and back to the device it came from. Step counters and other scalars
 stay where they are.
 
@@ -42,6 +42,7 @@ def park(engine, empty_cache: bool = False) -> None:
     engine.sync_transfers()
     engine.placement.force_tier = "host"
     engine.conform()  # the Conformer, then park_own_shape below (load_state_dict while parked too)
+    engine.schedule.drop_device_buffers()  # the staging ring of streamed state, staged copies
     if empty_cache and any(p.is_cuda for p, _ in engine.param_infos()):
         torch.cuda.empty_cache()
 

@@ -375,12 +375,17 @@ class StepSchedule:
             self.last_writeback = self.step_writeback = None
         self._written.clear()  # every write-back is done, and whoever synced may change the host state
 
-    def close(self) -> None:
-        """Wait for write-backs, drop the staging ring and the streams, remove the hooks."""
+    def drop_device_buffers(self) -> None:
+        """Wait for write-backs, then drop the staging ring and the staged copies (a park: their
+        device memory returns to the allocator; both are made again when state next streams)."""
         self.sync()
         self._ring = None
-        self._streams = None
         self.area.drop()
+
+    def close(self) -> None:
+        """Wait for write-backs, drop the staging ring and the streams, remove the hooks."""
+        self.drop_device_buffers()
+        self._streams = None
         self.remove_hooks()
 
     def __getstate__(self):

@@ -9,11 +9,9 @@ from optstate_core.presets import PRESETS as PRESET_TABLE, has_master_weights
 
 from dist_jobs import finish, full, init
 
-#: every preset but the alias "default" (= "8bit") and "4bit-all", whose 1-D states take a block
-#: codec at any size: FSDP2 splits a 1-D state into shards of ceil(n / ranks) elements, so one in
-#: a block codec keeps it only where the shards hold whole blocks (docs/distributed.md): this
-#: model's 3- and 2-element biases would be int4 in one process and fp32 on 2 and 4 ranks
-PRESETS = [name for name in PRESET_TABLE if name not in ("default", "4bit-all")]
+#: every preset but the alias "default" (= "8bit"), "4bit-all" included: its 3- and 2-element
+#: biases take fp32 on every mesh (a 1-D state in a block codec needs whole blocks, policy.splits_blocks)
+PRESETS = [name for name in PRESET_TABLE if name != "default"]
 LR = 1e-2
 WIDE = 4096  # 1-D norm and bias of 4096: int8/int4 in the presets, whole 256-blocks in shards of 2 and 4 ranks
 DATA = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(s)),

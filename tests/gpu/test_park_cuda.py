@@ -134,3 +134,23 @@ def test_parks_reuse_their_pinned_buffers_and_a_prepared_first_park_pins_nothing
     assert opt.memory_report()["park_buffers"] == held
     _train(model, opt, 2, seed=2)
     assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(ref_model)))
+
+
+def test_a_park_frees_the_staging_ring_of_streamed_state():
+    """``offload`` keeps its state in host memory and streams it through a device ring every step:
+    a park hands the ring back (memory_allocated drops by its size), the next step makes it again,
+    and training continues bit for bit."""
+    ref_model, ref = _build("offload", False)
+    _train(ref_model, ref, 2, seed=1)
+    _train(ref_model, ref, 2, seed=2)
+    model, opt = _build("offload", False)
+    _train(model, opt, 2, seed=1)
+    torch.cuda.synchronize()
+    assert opt.memory_report()["device_bytes"] == 0
+    allocated = torch.cuda.memory_allocated()
+    with opt.parked(empty_cache=True):
+        torch.cuda.synchronize()
+        assert allocated - torch.cuda.memory_allocated() >= 2**20  # the ring (staging_bytes: 256 MiB)
+        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 2**29
+    _train(model, opt, 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(ref_model)))
