@@ -12,7 +12,8 @@ from .schedule import pin_ahead
 from .step.kernels import compile_ahead
 from .schedule.engine import Engine
 from .schedule.park import PhaseSwitch
-from .policy import Policy, default_policy, named_parameter_names
+from .policy import Policy, named_parameter_names
+from .preset_table import default_policy
 from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options
 from .schedule.release_params import follow_parameters

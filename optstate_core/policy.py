@@ -393,11 +393,6 @@ class AdaptiveWarmupPolicy(WarmupPolicy):
         self.switched = bool(state.get("switched", False))
 
 
-def default_policy() -> WarmupPolicy:
-    """What ``wrap(optimizer)`` uses: int8 momentum and second moment from the first step."""
-    return WarmupPolicy(warmup_steps=0, momentum_codec="int8", variance_codec="int8")
-
-
 def named_parameter_names(named_parameters: Iterable) -> Dict[int, str]:
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()

@@ -1,6 +1,5 @@
-"""Named presets and the helper constructors (``wrap``, ``auto_wrap``, ``wrap_*_adamw``).
-
-``PRESETS`` is the one table of preset names; the integrations expose these names
+"""The helper constructors (``wrap``, ``auto_wrap``, ``wrap_*_adamw``, :class:`OptStateAdamW`) over
+the preset table (:mod:`.preset_table`, re-exported here); the integrations expose its names
 (``optstate_adamw`` = ``default``, ``optstate_adamw_8bit`` = ``8bit``, ...).
 """
 from __future__ import annotations
@@ -9,83 +8,11 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .state.codecs import Codec, Int4Codec, Int8Codec
+from .state.codecs import Codec, Int8Codec
 from .optimizer import VirtualOptimizer
 from .policy import Policy, WarmupPolicy
-
-#: optimizer class -> state key -> codec, where an optimizer's state needs another codec than the
-#: presets' moments (docs/compatibility.md, made by `optstate compat`): SGD's momentum buffer
-#: (m <- mu*m + g) stalls at 4 bits with nearest rounding (the task's final loss +12%, stochastic
-#: rounding: within the seed spread); Muon orthogonalizes its momentum, which amplifies rounding
-#: noise: int8 with nearest rounding holds its loss, stochastic or 4-bit codes do not
-MUON_MOMENTUM = {"Muon": {"momentum_buffer": "int8"}}
-OPTIMIZER_CODECS = {
-    "8bit": MUON_MOMENTUM,
-    "4bit": {"SGD": {"momentum_buffer": Int4Codec(stochastic_rounding=True)}, **MUON_MOMENTUM},
-}
-
-#: preset name -> WarmupPolicy arguments
-PRESETS = {
-    "fp32": dict(warmup_steps=0, momentum_codec="fp32", variance_codec="fp32"),
-    "bf16": dict(warmup_steps=0, momentum_codec="bf16", variance_codec="bf16"),
-    # stochastic rounding keeps the slow EMAs unbiased (a nearest-rounded int8 second moment can
-    # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step); see docs/benchmarks-journal.md
-    "8bit": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                 variance_codec=Int8Codec(stochastic_rounding=True), optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
-    # the 4-bit second moment rounds stochastically for the same reason: fine-tuning from a
-    # checkpoint (bench --convergence --finetune, docs/benchmarks-journal.md section 12) ended +0.53% above
-    # AdamW with nearest rounding, +0.03% with it (AdamW's seed spread there: 0.32%)
-    "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
-                 optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
-    "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                    variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False,
-                    optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
-    # the smallest state: 4-bit for every tensor, biases and norms included (a 1-D one of a
-    # length that is not a whole number of 256-blocks stays fp32: policy.splits_blocks)
-    "4bit-all": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
-                     min_int8_elements=0, optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
-}
-# bf16 parameters with fp32 master weights kept as optimizer state (see master_weights.py; cast the
-# model with optstate_core.cast_model): "bf16w-*" keep the exact fp32 master (int16 correction),
-# "-lean" a 16-bit-significand master (int8 correction). Bytes per parameter on the device with
-# bf16 gradients: bf16w-8bit 2+2+2+2, bf16w-4bit 2+2+1+2, bf16w-8bit-lean 2+1+2+2, bf16w-4bit-lean
-# 2+1+1+2 (weights + correction + moments + gradient; 2 fewer with gradient release).
-# "-hostcorr": the lean correction in pinned host memory (weights and moments stay on the GPU): 2+2+2
-# and 2+1+2 on the device, 0 for the correction; it crosses PCIe once each way per step (1 B/param).
-# "-offload": moments and correction in pinned host memory, streamed through the staging ring every
-# step (2.1 B/param each way for 4-bit); the device keeps the bf16 weights (2 B/param, plus the
-# gradients: a batch of them with release_gradients=True). The smallest GPU footprint; for models
-# that fit nothing else (docs/offload.md). "bf16w-4bit-lean" with gpu_budget=... keeps state resident up to
-# the budget and streams the rest the same way.
-for _moments in ("8bit", "4bit"):
-    PRESETS[f"bf16w-{_moments}"] = dict(PRESETS[_moments], master_correction="corr16")
-    PRESETS[f"bf16w-{_moments}-lean"] = dict(PRESETS[_moments], master_correction="corr8")
-    PRESETS[f"bf16w-{_moments}-lean-hostcorr"] = dict(PRESETS[_moments], master_correction="corr8",
-                                                      master_tier="host")
-    PRESETS[f"bf16w-{_moments}-lean-offload"] = dict(PRESETS[_moments], master_correction="corr8",
-                                                     device_resident=False)
-# schedule-free's iterate z (any state in policy.ITERATE_KEYS) as bf16 + an 8-bit residual (fp24: 3 bytes,
-# within 2**-15 relative): schedule-free AdamW keeps 3 + 1 B/param with "8bit-it24" instead of 4 + 1
-for _moments in ("8bit", "4bit"):
-    PRESETS[f"{_moments}-it24"] = dict(PRESETS[_moments], iterate_codec="fp24")
-PRESETS["default"] = PRESETS["8bit"]
-PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
-
-
-def make_policy(preset: str = "default", **overrides) -> WarmupPolicy:
-    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden."""
-    name = PRESET_ALIASES.get(preset, preset)
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
-    return WarmupPolicy(**{**PRESETS[name], **overrides})
-
-
-def has_master_weights(preset: Optional[str]) -> bool:
-    """Whether a preset keeps fp32 master weights for bf16 parameters (the ``bf16w-*`` presets:
-    cast the model with :func:`optstate_core.cast_model` first)."""
-    if preset is None:
-        return False
-    return PRESETS[PRESET_ALIASES.get(preset, preset)].get("master_correction") is not None
+from .preset_table import (OPTIMIZER_CODECS, PRESET_ALIASES, PRESETS, default_policy,  # noqa: F401 (re-exported)
+                           has_master_weights, make_policy)
 
 
 def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = None, **options) -> VirtualOptimizer:
@@ -112,7 +39,7 @@ def auto_wrap(optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None,
               pin_memory: Optional[bool] = None, profile: bool = False, **options) -> VirtualOptimizer:
     """One call with sensible defaults: int8 momentum and second moment, on the parameters'
     device, small tensors uncompressed, chunks bounded in bytes."""
-    return VirtualOptimizer(optimizer, policy or make_policy("default"), chunk_size=chunk_size,
+    return VirtualOptimizer(optimizer, policy or default_policy(), chunk_size=chunk_size,
                             chunk_size_on_cuda=chunk_size_on_cuda, initial_chunk_size=initial_chunk_size,
                             pin_memory=pin_memory, profile=profile, **options)
 

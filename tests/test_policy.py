@@ -161,3 +161,16 @@ def test_ragged_1d_states_take_the_small_tensor_codec_on_every_mesh():
     assert int8_all.codec_for(ParamInfo(0, 0, (3,), torch.float32), "exp_avg", 0).name == "int8"
     with pytest.raises(ValueError, match="whole_blocks_1d"):
         oc.WarmupPolicy(whole_blocks_1d=1)
+
+
+def test_wrap_without_a_policy_is_the_default_preset():
+    """One default: wrap(opt), VirtualOptimizer(opt), auto_wrap(opt) and wrap(opt, "default") build
+    equal policies (same codecs, rounding and per-optimizer codecs)."""
+    def settings(opt):
+        return {k: repr(v) for k, v in vars(opt.policy).items() if not k.startswith("_")}
+
+    make = lambda: torch.optim.AdamW(mlp().parameters())
+    want = settings(oc.wrap(make(), "default"))
+    assert want["momentum_codec"] == repr(oc.Int8Codec(stochastic_rounding=True))
+    for opt in (oc.wrap(make()), oc.VirtualOptimizer(make()), oc.auto_wrap(make())):
+        assert settings(opt) == want

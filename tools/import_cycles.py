@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "optstate_core"
 #: rooms that are single top-level modules, and what they may import (subpackages say it themselves)
-ROOM_RULES = {"policy": {"state"}, "metrics": {"state"}}
+ROOM_RULES = {"policy": {"state"}, "metrics": {"state"}, "preset_table": {"state", "policy"}}
 
 
 def module_name(path: Path) -> str:
