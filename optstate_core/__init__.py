@@ -4,6 +4,7 @@ from .state.codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec
                            Int8MomentumCodec, get_codec)
 from .state.master_weights import cast_model, master_state_dict
 from .optimizer import VirtualOptimizer
+from .options import WrapOptions
 from .policy import AdaptiveWarmupPolicy, ParamInfo, Policy, WarmupPolicy
 from .presets import (PRESETS, OptStateAdamW, auto_wrap, make_low_memory_policy, make_policy, unwrap, wrap,
                       wrap_low_memory_adamw, wrap_max_compression_adamw)
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "wrap", "unwrap", "auto_wrap", "wrap_low_memory_adamw", "wrap_max_compression_adamw", "make_policy",
-    "make_low_memory_policy", "PRESETS", "OptStateAdamW", "VirtualOptimizer", "OptimizerWrapper", "Policy", "WarmupPolicy",
+    "make_low_memory_policy", "PRESETS", "OptStateAdamW", "VirtualOptimizer", "WrapOptions", "OptimizerWrapper", "Policy", "WarmupPolicy",
     "AdaptiveWarmupPolicy", "ParamInfo", "Codec", "EncodedTensor", "FP32Codec", "IdentityCodec", "FP16Codec",
     "BF16Codec", "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "to_plain_state_dict", "cast_model", "master_state_dict", "__version__",
 ]

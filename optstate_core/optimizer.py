@@ -13,28 +13,16 @@ from .step.kernels import compile_ahead
 from .schedule.engine import Engine
 from .schedule.park import PhaseSwitch
 from .policy import Policy, named_parameter_names
+from .options import WrapOptions
 from .preset_table import default_policy
-from .schedule.prefetch import AUTO, check_prefetch_budget
-from .schedule.release import DEFAULT_BUCKET_BYTES, GradientRelease, check_clip_options
+from .schedule.release import check_clip_options
 from .schedule.release_params import follow_parameters
-from .step.granularity import resolve as resolve_granularity
 from .step.session import install_session_methods
 from .step.wrappable import check_wrappable, warn_about_checkpoint_overrides
 from .state.store import ParamState
-from .state.units import parse_bytes
 
 _SEEDS_KEY = "_optstate_master_seeds"  # in a pickled or copied wrapper's state (see __getstate__)
 log = logging.getLogger("optstate")
-
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-
-
-def _check_optional_int(name: str, value, minimum: int = 1) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
-    return value
 
 
 class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
@@ -45,13 +33,15 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     Accelerate and Lightning see a single optimizer. ``step(closure)`` runs the closure once
     (under ``torch.enable_grad()``), updates, and returns the closure's value.
 
-    Options:
+    Options, as keywords or as one :class:`~optstate_core.options.WrapOptions` (``options``; keywords
+    given beside it override its values), validated in one place (a bad value raises a
+    ``ValueError`` naming it); ``named_parameters``: ``model.named_parameters()`` or the model, for
+    name-based rules and messages.
         chunk_bytes: bound on the full-precision state materialized at once during ``step``
             (an int or a string such as ``"64MB"``; default 64 MiB). Large parameters are
             stepped in tiles so the bound holds for any tensor size.
         chunk_size: at most this many tiles per chunk (torch-optstate's count of parameters).
         initial_chunk_size: a smaller count for the first chunk of the first step.
-        chunk_size_on_cuda: torch-optstate compatibility: ``chunk_size`` when params are on CUDA.
         pin_memory: pin host-tier state (default: when parameters are on CUDA).
         skip_nonfinite: a NaN/inf gradient value never reaches a parameter or a state, and
             the event is counted (default True): the fused kernels leave the 256-element block
@@ -71,11 +61,6 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             optimizer's class (:mod:`optstate_core.step.granularity`), else ``"step"``. A choice
             finer than the registry's is checked on the first two steps against a whole step
             (on copies) and refused with a ``ValueError`` if they differ.
-        elementwise: the older spelling: ``True`` is ``granularity="elementwise"``, ``False``
-            ``"tensor"``.
-        named_parameters: ``model.named_parameters()`` or the model, for name-based rules and
-            messages.
-        profile: accepted for torch-optstate compatibility (timings are always collected).
         fused: use the fused Triton kernels where they apply (None: automatically on CUDA;
             True: also on the CPU under ``TRITON_INTERPRET=1``; False: never).
         stochastic_param_rounding: on the fused path, round updated bf16 parameters
@@ -94,12 +79,12 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             first measured backward freed, see :mod:`optstate_core.schedule.prefetch`; the ring alone
             until then), a byte count (``"2GB"``), or ``0`` (off: all offloaded state streams
             through the staging ring in ``step()``). Default ``None``: ``"auto"`` (``0`` with
-            ``prefetch_during_backward=False`` or ``release_gradients=True``). Allocated during
+            ``release_gradients=True``). Allocated during
             backward in slabs and handed back after the step's write-backs; not part of ``gpu_budget``.
-        prefetch_during_backward: superseded by ``prefetch_budget`` (kept working): ``False``
-            means ``prefetch_budget=0``, ``True`` turns it on (``"auto"`` unless a budget is given).
         observe_closure_loss: feed the closure's loss to a policy that wants it (default). An
             integration that feeds a better signal (window mean, all-reduced) turns this off.
+        profile: log each step's timings (``last_step_timings``) at INFO level on the
+            ``"optstate"`` logger (they are collected either way).
         release_gradients: on the micro-batch that ends in a step (see :meth:`set_step_boundary`),
             update each parameter in its post-accumulate-grad hook and free its gradient at
             once; ``step()`` then only advances the step. One process or FSDP2, no
@@ -112,19 +97,14 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             one batch holds every gradient, else per tensor), ``"global"`` (torch's
             ``clip_grad_norm_`` over all gradients in ``step()``), ``"previous"`` (the exact norm
             when one batch holds the step, else the previous step's global norm) or ``"per_tensor"``.
+
+    Older spellings still work, with a ``DeprecationWarning`` (:data:`optstate_core.options.ALIASES`):
+    ``elementwise`` (``granularity``), ``prefetch_during_backward`` (``prefetch_budget``) and
+    torch-optstate's ``chunk_size_on_cuda`` (``chunk_size``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None, *,
-                 chunk_bytes=DEFAULT_CHUNK_BYTES, chunk_size: Optional[int] = None,
-                 initial_chunk_size: Optional[int] = None, chunk_size_on_cuda: Optional[int] = None,
-                 pin_memory: Optional[bool] = None, skip_nonfinite: bool = True, check_in_backward: bool = False,
-                 seed: int = 0,
-                 elementwise: Optional[bool] = None, granularity: Optional[str] = None, named_parameters=None, profile: bool = False,
-                 observe_closure_loss: bool = True, fused: Optional[bool] = None,
-                 stochastic_param_rounding: bool = False, gpu_budget=None, offload: bool = False,
-                 staging_bytes="256MB", prefetch_budget=None, prefetch_during_backward: Optional[bool] = None,
-                 release_gradients: bool = False, release_bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 max_grad_norm=None, clip_mode: str = "auto"):
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: Optional[Policy] = None,
+                 options: Optional[WrapOptions] = None, *, named_parameters=None, **option_values):
         if isinstance(optimizer, VirtualOptimizer):
             raise ValueError("optimizer is already a VirtualOptimizer; wrap the inner optimizer once")
         check_wrappable(optimizer)
@@ -132,78 +112,11 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             policy = default_policy()
         if not isinstance(policy, Policy):
             raise ValueError(f"policy must be an optstate_core.Policy, got {type(policy).__name__}")
-        chunk_bytes = parse_bytes(chunk_bytes, "chunk_bytes")
-        chunk_size = _check_optional_int("chunk_size", chunk_size)
-        initial_chunk_size = _check_optional_int("initial_chunk_size", initial_chunk_size)
-        chunk_size_on_cuda = _check_optional_int("chunk_size_on_cuda", chunk_size_on_cuda)
-        if pin_memory is not None and not isinstance(pin_memory, bool):
-            raise ValueError(f"pin_memory must be None, True or False, got {pin_memory!r}")
-        if not isinstance(skip_nonfinite, bool):
-            raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
-        if not isinstance(check_in_backward, bool):
-            raise ValueError(f"check_in_backward must be True or False, got {check_in_backward!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if fused is not None and not isinstance(fused, bool):
-            raise ValueError(f"fused must be None, True or False, got {fused!r}")
-        if not isinstance(stochastic_param_rounding, bool):
-            raise ValueError(f"stochastic_param_rounding must be True or False, got {stochastic_param_rounding!r}")
-        if gpu_budget is not None:
-            if isinstance(gpu_budget, float) and not isinstance(gpu_budget, bool):
-                if not 0.0 < gpu_budget < 1.0:
-                    raise ValueError(f"gpu_budget as a fraction must be in (0, 1), got {gpu_budget!r}")
-                if not torch.cuda.is_available():
-                    raise ValueError(f"gpu_budget={gpu_budget!r} is a fraction of free GPU memory, but CUDA is not "
-                                     "available; give a byte count (e.g. '2GB') or leave it None")
-            else:
-                gpu_budget = parse_bytes(gpu_budget, "gpu_budget")
-        staging_bytes = parse_bytes(staging_bytes, "staging_bytes")
-        if not isinstance(offload, bool):
-            raise ValueError(f"offload must be True or False, got {offload!r}")
-        if prefetch_budget is None:  # on by default (docs/benchmarks-journal.md section 12: hides the transfers)
-            prefetch_budget = 0 if prefetch_during_backward is False else AUTO
-        else:
-            prefetch_budget = check_prefetch_budget(prefetch_budget)
-        if prefetch_during_backward is not None and not isinstance(prefetch_during_backward, bool):
-            raise ValueError(f"prefetch_during_backward must be None, True or False, got {prefetch_during_backward!r}")
-        if prefetch_during_backward is True and prefetch_budget == 0:
-            raise ValueError("prefetch_during_backward=True contradicts prefetch_budget=0")
-        if prefetch_during_backward is False:
-            if prefetch_budget not in (0, AUTO):
-                raise ValueError(f"prefetch_during_backward=False contradicts prefetch_budget={prefetch_budget!r}")
-            prefetch_budget = 0
-        if not isinstance(observe_closure_loss, bool):
-            raise ValueError(f"observe_closure_loss must be True or False, got {observe_closure_loss!r}")
-        if not isinstance(release_gradients, bool):
-            raise ValueError(f"release_gradients must be True or False, got {release_gradients!r}")
-        max_grad_norm, clip_mode = check_clip_options(max_grad_norm, clip_mode, release_gradients)
-        release_bucket_bytes = parse_bytes(release_bucket_bytes, "release_bucket_bytes", allow_zero=True)
-        if release_gradients and prefetch_budget == AUTO and not prefetch_during_backward:
-            prefetch_budget = 0  # released parameters update in backward: nothing left to prefetch
-        granularity, check_granularity = resolve_granularity(optimizer, granularity, elementwise)
-        if release_gradients and granularity == "step":
-            raise ValueError(f"release_gradients=True: {type(optimizer).__name__} is stepped in one call over every "
-                             "parameter (granularity 'step': it is not known to update each parameter on its own), "
-                             "so no parameter can be updated alone in its backward hook. Use it without release, "
-                             "or pass granularity='elementwise'/'tensor' if its update is (checked on the first steps)")
-        if chunk_size is None and chunk_size_on_cuda is not None and any(
-                p.is_cuda for g in optimizer.param_groups for p in g["params"]):
-            chunk_size = chunk_size_on_cuda
+        options = WrapOptions.build(optimizer, options, **option_values)
         names = named_parameter_names(named_parameters) if named_parameters is not None else {}
         policy.bind_optimizer(optimizer)  # last check: its codecs may depend on the optimizer's class
 
-        engine = Engine(optimizer, policy, chunk_bytes=chunk_bytes, chunk_size=chunk_size,
-                        initial_chunk_size=initial_chunk_size, pin_memory=pin_memory,
-                        skip_nonfinite=skip_nonfinite, seed=seed, granularity=granularity, names=names,
-                        fused=fused, stochastic_param_rounding=stochastic_param_rounding, gpu_budget=gpu_budget,
-                        staging_bytes=staging_bytes, prefetch_budget=prefetch_budget,
-                        check_granularity=check_granularity)
-        engine.placement.offload_all = offload
-        engine.check_in_backward = check_in_backward
-        engine.gradient_release = GradientRelease(engine, release_gradients, max_grad_norm, clip_mode,
-                                                  release_bucket_bytes)
-        if release_gradients:
-            engine.schedule.release = engine.gradient_release
+        engine = Engine(optimizer, policy, options, names)
         existing = dict(optimizer.state)
         self._engine = None  # add_param_group below must not touch the inner groups
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -214,10 +127,9 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         self._engine = engine
         self.state = engine.state
         optimizer.state = engine.state
-        engine.observe_closure_loss = observe_closure_loss
         install_session_methods(engine)  # train(), eval(), ...: they see their decoded state
         warn_about_checkpoint_overrides(optimizer)
-        if release_gradients:  # hooks on every parameter (without release, when offloaded state is first planned)
+        if options.release_gradients:  # hooks on every parameter (without release, when offloaded state is first planned)
             follow_parameters(engine, defer_data_parallel=True)
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: (ParamState(s) if isinstance(p, torch.Tensor) else s) for p, s in existing.items()})
@@ -249,6 +161,8 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
                 clipping.before_step(params)
             engine.step()
             clipping.after_step()
+        if engine.options.profile:
+            log.info("optstate: step %d: %s", engine.step_count, engine.metrics.as_dict())
         engine.inner._opt_called = True  # a scheduler built on the inner optimizer must not warn
         return loss
 
@@ -366,6 +280,11 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
 
     # -- optstate API ---------------------------------------------------------------------------
     @property
+    def options(self):
+        """The validated :class:`~optstate_core.options.WrapOptions` this optimizer was built with."""
+        return self._engine.options
+
+    @property
     def policy(self) -> Policy:
         return self._engine.policy
 
@@ -378,8 +297,10 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         return self._engine.metrics.as_dict()
 
     def memory_report(self) -> dict:
-        """Bytes held per tier and per codec, bits/param, and the last step's timings."""
-        return metrics.memory_report(self._engine, self.param_groups)
+        """Bytes held per tier and per codec, bits/param, the last step's timings and the options."""
+        report = metrics.memory_report(self._engine, self.param_groups)
+        report["options"] = self._engine.options.as_dict()
+        return report
 
     def log_metrics(self, prefix: str = "optstate/") -> dict:
         """Flat float metrics for loggers: state MB per tier, bits/param, step and overhead ms."""

@@ -159,3 +159,34 @@ def test_load_state_dict_for_other_parameters_is_rejected_without_change():
         opt.load_state_dict({"state": {}})
     after = snapshot(opt, model)
     assert same_state(before[1], after[1]) and before[2] == after[2]
+
+
+def test_options_are_one_validated_object():
+    """Options as data: keywords and a WrapOptions build the same optimizer options; keywords beside
+    an object override it; memory_report() shows them; an unknown name is a TypeError naming it;
+    an older spelling still works with a DeprecationWarning; profile=True logs each step's timings."""
+    model = mlp()
+    opts = oc.WrapOptions.build(torch.optim.AdamW(model.parameters()), chunk_bytes="1MiB", seed=3)
+    assert opts.chunk_bytes == 2**20 and opts.seed == 3
+    a = oc.wrap(torch.optim.AdamW(model.parameters()), "fp32", opts)
+    b = oc.wrap(torch.optim.AdamW(model.parameters()), "fp32", chunk_bytes=2**20, seed=3)
+    assert a.options == b.options and a.memory_report()["options"] == opts.as_dict()
+    assert oc.wrap(torch.optim.AdamW(model.parameters()), "fp32", opts, seed=4).options.seed == 4
+    with pytest.raises(TypeError, match="chunk_byte"):
+        oc.wrap(torch.optim.AdamW(model.parameters()), "fp32", chunk_byte=1)
+    with pytest.warns(DeprecationWarning, match="elementwise"):
+        assert oc.wrap(torch.optim.AdamW(model.parameters()), elementwise=False).options.granularity == "tensor"
+    opt = oc.wrap(torch.optim.AdamW(model.parameters()), "fp32", profile=True)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("optstate")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        train_steps(model, opt, 1)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert any("step 1" in r.getMessage() for r in records)

@@ -162,7 +162,7 @@ def test_prefetch_during_backward_only_on_steps():
     model, twin = model.to(FUSED_DEVICE), twin.to(FUSED_DEVICE)
     policy = lambda: oc.make_policy("8bit", min_int8_elements=0)  # noqa: E731
     opt = oc.wrap(torch.optim.AdamW(model.parameters()), policy(), fused=True, offload=True,
-                  staging_bytes="1MB", prefetch_during_backward=True)
+                  staging_bytes="1MB", prefetch_budget="auto")
     ref = oc.wrap(torch.optim.AdamW(twin.parameters()), policy(), fused=True, offload=True, staging_bytes="1MB",
                   prefetch_budget=0)  # the ring alone
     uploads = []

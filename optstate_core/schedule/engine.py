@@ -42,6 +42,7 @@ from ..step.schedule_free import advance_groups, fused_step_applies, plan_fused_
 from ..step.session import run_whole_step
 from ..step.router import Router
 from .placement import Placement
+from .release import GradientRelease
 from ..policy import ParamInfo, Policy
 from .timetable import StepSchedule
 from ..state.pinned import PinnedArena
@@ -60,38 +61,40 @@ _CONTIGUOUS = methodcaller("is_contiguous")
 class Engine:
     """Holds the state mapping and runs steps for one wrapped optimizer."""
 
-    def __init__(self, inner: torch.optim.Optimizer, policy: Policy, *, chunk_bytes: int, chunk_size: Optional[int],
-                 initial_chunk_size: Optional[int], pin_memory: Optional[bool], skip_nonfinite: bool, seed: int,
-                 granularity: str, names: Dict[int, str], fused: Optional[bool] = None,
-                 stochastic_param_rounding: bool = False, gpu_budget=None, staging_bytes: int = 256 * 2**20,
-                 prefetch_budget="auto", check_granularity: bool = False):
+    def __init__(self, inner: torch.optim.Optimizer, policy: Policy, options, names: Dict[int, str]):
+        """``options``: the wrapper's validated :class:`~optstate_core.options.WrapOptions`."""
         self.inner = inner
         self.policy = policy
         self.state = StateMap()
         self.step_count = 0
-        self.chunk_bytes = chunk_bytes
-        self.chunk_size = chunk_size
-        self.initial_chunk_size = initial_chunk_size
-        self.pin_memory = pin_memory
+        self.options = options
+        self.chunk_bytes = options.chunk_bytes
+        self.chunk_size = options.chunk_size
+        self.initial_chunk_size = options.initial_chunk_size
+        self.pin_memory = options.pin_memory
         self.pinned = PinnedArena()  # offloaded state's pinned host memory, in whole slabs
-        self.skip_nonfinite = skip_nonfinite
-        self.seed = seed
-        self.granularity = granularity  # see step/granularity.py
-        self.elementwise = granularity == "elementwise"
-        self.check_granularity = check_granularity  # the user's granularity, checked on the first steps
+        self.skip_nonfinite = options.skip_nonfinite
+        self.seed = options.seed
+        self.granularity = options.granularity  # see step/granularity.py
+        self.elementwise = options.granularity == "elementwise"
+        self.check_granularity = options.check_granularity  # the user's granularity, checked on the first steps
         self.names = names
-        self.observe_closure_loss = True
+        self.observe_closure_loss = options.observe_closure_loss
         self.metrics = StepMetrics()
         self.transfers = Transfers()
-        self.placement = Placement(policy, gpu_budget, staging_bytes)
+        self.placement = Placement(policy, options.gpu_budget, options.staging_bytes, offload_all=options.offload)
         self.conformer = Conformer(self)
         self.tiled = TiledStep(self)
-        self.fused = FusedPath(self, fused)
+        self.fused = FusedPath(self, options.fused)
         self.router = Router(self)
-        self.kernels = KernelLauncher(self, stochastic_param_rounding)
-        self.schedule = StepSchedule(self, prefetch_budget)
+        self.kernels = KernelLauncher(self, options.stochastic_param_rounding)
+        self.schedule = StepSchedule(self, options.prefetch_budget)
         self.backward_check = BackwardCheck()
-        self.check_in_backward = False  # wrap(check_in_backward=...)
+        self.check_in_backward = options.check_in_backward
+        self.gradient_release = GradientRelease(self, options.release_gradients, options.max_grad_norm,
+                                                options.clip_mode, options.release_bucket_bytes)
+        if options.release_gradients:
+            self.schedule.release = self.gradient_release
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
@@ -243,8 +246,7 @@ class Engine:
         """Have later steps' gradients of ``params`` (and no others) checked for NaN/inf in
         backward (:mod:`~optstate_core.step.backward_check`): only with ``check_in_backward=True`` and not
         under gradient release, whose hooks consume the gradients."""
-        release = getattr(self, "gradient_release", None)
-        if not self.check_in_backward or (release is not None and release.release):
+        if not self.check_in_backward or self.gradient_release.release:
             params = []
         self.backward_check.watch(params)
         self.schedule.register_hooks(params)

@@ -16,12 +16,12 @@ from ..step.work import Work
 class Placement:
     """Codec and tier per (parameter, state key, step); which parameters stay resident under a budget."""
 
-    def __init__(self, policy: Policy, gpu_budget=None, staging_bytes: int = 256 * 2**20):
+    def __init__(self, policy: Policy, gpu_budget=None, staging_bytes: int = 256 * 2**20, offload_all: bool = False):
         self.policy = policy
         self.gpu_budget = gpu_budget  # bytes (int), fraction of free GPU memory (float), or None
         self.staging_bytes = staging_bytes
         self.force_tier: Optional[str] = None  # "host" after offload()
-        self.offload_all = False
+        self.offload_all = offload_all  # wrap(offload=True): every state in host memory
         self.resident: Optional[set] = None  # ids of parameters kept on the device under the budget
 
     def codec_of(self, w: Work, key: str, step: int):

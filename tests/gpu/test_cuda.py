@@ -238,7 +238,7 @@ def test_prefetch_during_backward_on_gpu():
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)).cuda()
     twin = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)).cuda()
     twin.load_state_dict(model.state_dict())
-    opt = oc.wrap(torch.optim.AdamW(model.parameters()), "8bit", offload=True, prefetch_during_backward=True)
+    opt = oc.wrap(torch.optim.AdamW(model.parameters()), "8bit", offload=True, prefetch_budget="auto")
     ref = oc.wrap(torch.optim.AdamW(twin.parameters()), "8bit", offload=True, prefetch_budget=0)
     for step in range(5):
         x = torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
