@@ -259,7 +259,7 @@ class WarmupPolicy(Policy):
     def decision_key(self, step: int):
         return self.active(step)
 
-    def _rule_for(self, info: ParamInfo, key: str, role: str):
+    def _rule_for(self, info: ParamInfo, key: str):
         if info.name is None:
             return None
         for rx, spec in self.rules:
@@ -276,7 +276,7 @@ class WarmupPolicy(Policy):
         cache_key = (info.name, info.shape, key)
         codec = self._cache.get(cache_key)
         if codec is None:
-            codec = self._rule_for(info, key, role)
+            codec = self._rule_for(info, key)
             if codec is None:
                 codec = self.optimizer_codecs.get(self._optimizer, {}).get(key)
                 if codec is None:

@@ -9,9 +9,8 @@ from .policy import WarmupPolicy
 
 #: optimizer class -> state key -> codec, where an optimizer's state needs another codec than the
 #: presets' moments (docs/compatibility.md, made by `optstate compat`): SGD's momentum buffer
-#: (m <- mu*m + g) stalls at 4 bits with nearest rounding (the task's final loss +12%, stochastic
-#: rounding: within the seed spread); Muon orthogonalizes its momentum, which amplifies rounding
-#: noise: int8 with nearest rounding holds its loss, stochastic or 4-bit codes do not
+#: (m <- mu*m + g) stalls at 4 bits with nearest rounding, so it rounds stochastically; Muon
+#: orthogonalizes its momentum, which amplifies rounding noise, so it keeps int8 rounded to nearest
 MUON_MOMENTUM = {"Muon": {"momentum_buffer": "int8"}}
 OPTIMIZER_CODECS = {
     "8bit": MUON_MOMENTUM,
@@ -23,12 +22,10 @@ PRESETS = {
     "fp32": dict(warmup_steps=0, momentum_codec="fp32", variance_codec="fp32"),
     "bf16": dict(warmup_steps=0, momentum_codec="bf16", variance_codec="bf16"),
     # stochastic rounding keeps the slow EMAs unbiased (a nearest-rounded int8 second moment can
-    # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step); see docs/benchmarks-journal.md
+    # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step)
     "8bit": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
                  variance_codec=Int8Codec(stochastic_rounding=True), optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
-    # the 4-bit second moment rounds stochastically for the same reason: fine-tuning from a
-    # checkpoint (bench --convergence --finetune, docs/benchmarks-journal.md section 12) ended +0.53% above
-    # AdamW with nearest rounding, +0.03% with it (AdamW's seed spread there: 0.32%)
+    # the 4-bit second moment rounds stochastically for the same reason
     "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
                  optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
     "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),

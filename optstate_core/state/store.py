@@ -1,4 +1,4 @@
-"""Where encoded state lives: the ``optimizer.state`` mapping, tiers, and tile-sized moves.
+"""Where encoded state lives: the ``optimizer.state`` mapping, its tiers, and whole-state moves between them.
 
 ``optimizer.state[p]`` is a plain dict per parameter whose values are what the inner optimizer
 made (``step`` counters, scalars), raw tensors (uncompressed, device-resident state), or

@@ -5,14 +5,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-#: torch.optim optimizers whose update is elementwise, so a parameter may be stepped in tiles.
-ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
-    if hasattr(torch.optim, n))
-#: torch.optim optimizers whose update needs the whole tensor (factored statistics, orthogonalization)
-NOT_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
-
-
 def group_signature(group: dict) -> tuple:
     """The options of a param group that change which path steps its parameters (and how)."""
     return (group.get("amsgrad"), group.get("maximize"), group.get("differentiable"), group.get("momentum"),

@@ -12,7 +12,8 @@ range instead of the fixed absolute step of a linear map:
   code), so ``m / sqrt(v)`` can never blow up from an underflowed ``v``.
 
 Encoding uses only exact float multiplies and integer operations on float32 bits, so the
-Triton kernel (``kernels/int8_adam.py``) produces bit-identical codes from identical inputs.
+Triton kernels (``step/kernels/codec_ops.py``, used by every fused update) produce bit-identical
+codes from identical inputs.
 """
 from __future__ import annotations
 
