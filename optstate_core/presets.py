@@ -11,7 +11,7 @@ import torch
 
 from .state.codecs import Codec, Int4Codec, Int8Codec
 from .optimizer import VirtualOptimizer
-from .policy import Policy, WarmupPolicy
+from .policy import AdaptiveWarmupPolicy, Policy, WarmupPolicy
 
 #: optimizer class -> state key -> codec, where an optimizer's state needs another codec than the
 #: presets' moments (docs/compatibility.md, made by `optstate compat`): SGD's momentum buffer
@@ -72,12 +72,13 @@ PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 
 
-def make_policy(preset: str = "default", **overrides) -> WarmupPolicy:
-    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden."""
+def make_policy(preset: str = "default", *, adaptive: bool = False, **overrides) -> WarmupPolicy:
+    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden; with
+    ``adaptive=True`` an :class:`AdaptiveWarmupPolicy` (``patience`` and ``tol`` among the overrides)."""
     name = PRESET_ALIASES.get(preset, preset)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
-    return WarmupPolicy(**{**PRESETS[name], **overrides})
+    return (AdaptiveWarmupPolicy if adaptive else WarmupPolicy)(**{**PRESETS[name], **overrides})
 
 
 def has_master_weights(preset: Optional[str]) -> bool:

@@ -146,3 +146,12 @@ def test_adaptive_policy_takes_every_option_of_the_preset(preset):
 def test_adaptive_policy_names_an_unknown_option():
     with pytest.raises(TypeError, match="no_such_option"):
         oc.AdaptiveWarmupPolicy(no_such_option=1)
+
+
+def test_make_policy_builds_the_adaptive_policy():
+    policy = oc.make_policy("4bit-it24", adaptive=True, warmup_steps=5, patience=3, tol=0.01)
+    assert type(policy) is oc.AdaptiveWarmupPolicy and (policy.patience, policy.tol, policy.warmup_steps) == (3, 0.01, 5)
+    assert policy.iterate_codec.name == "fp24"
+    assert type(oc.make_policy("8bit")) is oc.WarmupPolicy
+    with pytest.raises(TypeError, match="patience"):
+        oc.make_policy("8bit", patience=3)  # patience without adaptive: not a WarmupPolicy option
