@@ -72,9 +72,16 @@ PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 
 
+#: the preset chosen per model and device by ``optstate plan``'s arithmetic, which the core cannot import
+AUTO = "auto"
+
+
 def make_policy(preset: str = "default", *, adaptive: bool = False, **overrides) -> WarmupPolicy:
     """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden; with
     ``adaptive=True`` an :class:`AdaptiveWarmupPolicy` (``patience`` and ``tol`` among the overrides)."""
+    if preset == AUTO:
+        raise ValueError("preset 'auto' is planned per model and device: optstate_core.apps.auto.wrap(optimizer, "
+                         "model) (the planner is an app, which the core does not import; docs/presets.md#auto)")
     name = PRESET_ALIASES.get(preset, preset)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
