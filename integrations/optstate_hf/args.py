@@ -68,6 +68,14 @@ def _tol(text) -> float:
     return value
 
 
+def _loss(text) -> str:
+    from optstate_core.apps.auto import LOSSES
+    name = str(text).strip().lower()
+    if name not in LOSSES:
+        raise ValueError(f"must be one of {', '.join(LOSSES)}")
+    return name
+
+
 def _clip_mode(text) -> str:
     from optstate_core.schedule.release import CLIP_MODES
     s = str(text).strip().lower()
@@ -97,7 +105,7 @@ def _size(text) -> Union[int, str]:
 class Key:
     parse: Callable
     help: str
-    target: str  # "policy", "wrap" or "adaptive": where the value goes
+    target: str  # "policy", "wrap", "adaptive" or "auto" (optstate_adamw_auto's plan): where the value goes
 
 
 #: Every accepted ``optim_args`` key: parser, meaning, and where it goes.
@@ -127,6 +135,14 @@ KEYS: Dict[str, Key] = {
     "clip_mode": Key(_clip_mode, "how max_grad_norm clips: auto, global, previous or per_tensor", "wrap"),
     "release_bucket_bytes": Key(_size_or_zero, "with release_gradients: gradient bytes pending before one batched "
                                                "update (default 256MiB; 0: each parameter in its own hook)", "wrap"),
+    "seq_len": Key(_int(1), "auto: tokens per sequence to plan for (default: the trainer's max_length, else the "
+                            "model's max_position_embeddings)", "auto"),
+    "gpu_memory": Key(_size, "auto: GPU bytes to plan for (default: the device's free memory plus this process's "
+                             "reserve; none on the CPU)", "auto"),
+    "activations": Key(_size_or_zero, "auto: activation bytes at the step's peak (default: the planner's estimate, "
+                                      "Llama-family models only)", "auto"),
+    "loss": Key(_loss, "auto: plain (logits materialized) or fused/chunked/liger (none); default: use_liger_kernel "
+                       "or a model with the chunked loss, else plain", "auto"),
 }
 #: wrap options that are forwarded only when the installed optstate_core accepts them.
 PASS_THROUGH = ("gpu_budget", "prefetch_during_backward")
@@ -182,6 +198,9 @@ class OptimArgs:
         """The preset's policy with these overrides (``oc.make_policy``; AdaptiveWarmupPolicy if ``adaptive``)."""
         if preset not in oc.PRESETS:
             raise ValueError(f"preset must be one of {', '.join(sorted(oc.PRESETS))}, got {preset!r}")
+        planned = [k for k in self._values if KEYS[k].target == "auto"]
+        if planned:
+            raise _error(f"{', '.join(planned)} only apply with optim='optstate_adamw_auto' (preset {preset!r})")
         overrides = {}
         if "state" in self:
             overrides["momentum_codec"] = overrides["variance_codec"] = self.get("state")

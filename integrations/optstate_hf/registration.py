@@ -15,7 +15,7 @@ Three steps, the same on every supported transformers:
   accumulation boundaries and, under FSDP2, rebinds release to the sharded parameters).
 
 The names are generated from ``optstate_core.PRESETS`` (:func:`optstate_hf_names.optim_names`: one
-per preset and family). The enum step lives in ``optstate_hf_names``
+per preset and family, and ``optstate_adamw_auto``). The enum step lives in ``optstate_hf_names``
 (standard library only), which the ``.pth`` hook of an installed optstate runs when transformers is
 imported (with the table's preset names, which it cannot import), and which imports this package once
 ``transformers.trainer`` has executed: the names then need no ``import optstate_hf``.
@@ -39,7 +39,7 @@ __all__ = ["FAMILY_OF", "OPTIM_NAMES", "RegistrationError", "add_enum_member", "
 
 log = logging.getLogger("optstate.hf")
 
-#: ``optim`` name -> preset of ``optstate_core.PRESETS``, and -> the optimizer family it builds
+#: ``optim`` name -> preset of ``optstate_core.PRESETS`` (or ``auto``), and -> the optimizer family it builds
 OPTIM_NAMES, FAMILY_OF = optim_names(oc.PRESETS)
 
 HOOK = "get_optimizer_cls_and_kwargs"
@@ -87,7 +87,7 @@ def _wrap(original: Callable) -> Callable:
             return original(args, model)
         from .optimizer import optimizer_cls_and_kwargs
 
-        return optimizer_cls_and_kwargs(args, preset=preset, family=FAMILY_OF[optim])
+        return optimizer_cls_and_kwargs(args, preset=preset, family=FAMILY_OF[optim], model=model)
 
     get_optimizer_cls_and_kwargs.optstate_original = original
     return get_optimizer_cls_and_kwargs

@@ -36,6 +36,8 @@ PRESET_NAMES = ("fp32", "bf16", "8bit", "4bit", "offload", "4bit-all",
                 "bf16w-8bit", "bf16w-8bit-lean", "bf16w-8bit-lean-hostcorr", "bf16w-8bit-lean-offload",
                 "bf16w-4bit", "bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr", "bf16w-4bit-lean-offload",
                 "8bit-it24", "4bit-it24", "default")
+#: the preset picked per model and device (``optstate_core.apps.auto``): AdamW only, ``optstate_adamw_auto``
+AUTO = "auto"
 #: name prefix -> the inner optimizer it builds: every preset exists for AdamW, lion-pytorch's Lion and
 #: schedulefree's AdamWScheduleFree (``optstate_lion_8bit``: Lion with the ``8bit`` preset)
 FAMILIES = {"optstate_adamw": "adamw", "optstate_lion": "lion", "optstate_schedule_free_adamw": "schedule_free_adamw"}
@@ -48,17 +50,18 @@ def optim_name(prefix: str, preset: str) -> str:
 
 
 def optim_names(presets) -> Tuple[Dict[str, str], Dict[str, str]]:
-    """``({optim name: preset}, {optim name: family})`` for every family and preset of ``presets``."""
+    """``({optim name: preset}, {optim name: family})`` for every family and preset of ``presets``,
+    and ``optstate_adamw_auto``."""
     names: Dict[str, str] = {}
     family_of: Dict[str, str] = {}
     for prefix, family in FAMILIES.items():
-        for preset in presets:
+        for preset in list(presets) + ([AUTO] if family == "adamw" else []):
             name = optim_name(prefix, preset)
             names[name], family_of[name] = preset, family
     return names, family_of
 
 
-#: ``optim`` name -> preset name in ``optstate_core.PRESETS``, and -> its family
+#: ``optim`` name -> preset name in ``optstate_core.PRESETS`` (or ``auto``), and -> its family
 OPTIM_NAMES, FAMILY_OF = optim_names(PRESET_NAMES)
 
 _OFF = ("0", "false", "no", "off")

@@ -30,11 +30,13 @@ NAMES = {"optstate_adamw" + ("" if preset == "default" else "_" + preset.replace
 #: every AdamW name exists for lion-pytorch's Lion and schedulefree's AdamWScheduleFree too
 NAMES.update({family + name[len("optstate_adamw"):]: preset for name, preset in list(NAMES.items())
               for family in ("optstate_lion", "optstate_schedule_free_adamw")})
+PRESET_NAMES = sorted(NAMES)  # the names of the table's presets
+NAMES["optstate_adamw_auto"] = "auto"  # the preset chosen per model (tests/integrations/test_hf_auto.py)
 
 
 def test_names_map_to_core_presets():
     assert optstate_hf.OPTIM_NAMES == NAMES
-    assert set(NAMES.values()) == set(oc.PRESETS)
+    assert set(NAMES.values()) == set(oc.PRESETS) | {"auto"}
     assert HAND_LIST.items() <= NAMES.items()
     assert {"optstate_adamw_8bit_it24", "optstate_schedule_free_adamw_4bit_it24"} <= NAMES.keys()
     assert optstate_hf.is_registered()
@@ -123,7 +125,7 @@ def test_trainer_subclasses_inherit_the_dispatch(tmp_path):
     assert cls is optstate_hf.OptStateAdamW and kwargs["preset"] == "4bit"
 
 
-@pytest.mark.parametrize("name", sorted(NAMES))
+@pytest.mark.parametrize("name", PRESET_NAMES)
 def test_handler_builds_preset_with_trainer_hyperparameters(tmp_path, name):
     args = training_args(tmp_path, optim=name, optim_args=None, learning_rate=2e-3, adam_beta1=0.8,
                          adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.05)
