@@ -18,6 +18,8 @@ from .state.master_weights import MASTER_DTYPES, MASTER_KEY
 
 #: codecs a master-weight correction may use
 MASTER_CODECS = ("corr16", "corr8", "fp32")
+#: codecs the moments take by name (``momentum_codec``/``variance_codec``; the integrations' ``state=``)
+MOMENT_CODECS = ("int8", "int4", "bf16", "fp16", "fp32")
 
 CodecSpec = Union[str, Codec, None]
 

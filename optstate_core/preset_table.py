@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .state.codecs import Int4Codec, Int8Codec
-from .policy import WarmupPolicy
+from .policy import AdaptiveWarmupPolicy, WarmupPolicy
 
 #: optimizer class -> state key -> codec, where an optimizer's state needs another codec than the
 #: presets' moments (docs/compatibility.md, made by `optstate compat`): SGD's momentum buffer
@@ -63,12 +63,20 @@ PRESETS["default"] = PRESETS["8bit"]
 PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 
 
-def make_policy(preset: str = "default", **overrides) -> WarmupPolicy:
-    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden."""
+#: the preset chosen per model and device by ``optstate plan``'s arithmetic, which the core cannot import
+AUTO = "auto"
+
+
+def make_policy(preset: str = "default", *, adaptive: bool = False, **overrides) -> WarmupPolicy:
+    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden; with
+    ``adaptive=True`` an :class:`AdaptiveWarmupPolicy` (``patience`` and ``tol`` among the overrides)."""
+    if preset == AUTO:
+        raise ValueError("preset 'auto' is planned per model and device: optstate_core.apps.auto.wrap(optimizer, "
+                         "model) (the planner is an app, which the core does not import; docs/presets.md#auto)")
     name = PRESET_ALIASES.get(preset, preset)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
-    return WarmupPolicy(**{**PRESETS[name], **overrides})
+    return (AdaptiveWarmupPolicy if adaptive else WarmupPolicy)(**{**PRESETS[name], **overrides})
 
 
 def has_master_weights(preset: Optional[str]) -> bool:

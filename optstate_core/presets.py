@@ -12,7 +12,7 @@ import torch
 from .optimizer import VirtualOptimizer
 from .options import WrapOptions
 from .policy import Policy
-from .preset_table import (OPTIMIZER_CODECS, PRESET_ALIASES, PRESETS, default_policy,  # noqa: F401 (re-exported)
+from .preset_table import (AUTO, OPTIMIZER_CODECS, PRESET_ALIASES, PRESETS, default_policy,  # noqa: F401 (re-exported)
                            has_master_weights, make_policy)
 from .torch_optstate_names import (auto_wrap, make_low_memory_policy, wrap_low_memory_adamw,  # noqa: F401 (re-exported)
                                    wrap_max_compression_adamw)

@@ -174,3 +174,12 @@ def test_wrap_without_a_policy_is_the_default_preset():
     assert want["momentum_codec"] == repr(oc.Int8Codec(stochastic_rounding=True))
     for opt in (oc.wrap(make()), oc.VirtualOptimizer(make()), oc.auto_wrap(make())):
         assert settings(opt) == want
+
+
+def test_make_policy_builds_the_adaptive_policy():
+    policy = oc.make_policy("4bit-it24", adaptive=True, warmup_steps=5, patience=3, tol=0.01)
+    assert type(policy) is oc.AdaptiveWarmupPolicy and (policy.patience, policy.tol, policy.warmup_steps) == (3, 0.01, 5)
+    assert policy.iterate_codec.name == "fp24"
+    assert type(oc.make_policy("8bit")) is oc.WarmupPolicy
+    with pytest.raises(TypeError, match="patience"):
+        oc.make_policy("8bit", patience=3)  # patience without adaptive: not a WarmupPolicy option

@@ -9,23 +9,20 @@ validated, immutable), which builds the :class:`optstate_core.WarmupPolicy` (or
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Union
 
 import optstate_core as oc
 
-CODECS = ("int8", "int4", "bf16", "fp16", "fp32")
 OFFLOAD = ("none", "host")
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
-_SIZE = re.compile(r"[0-9]*\.?[0-9]+\s*(b|kb|mb|gb|tb|kib|mib|gib|tib|k|m|g)?", re.IGNORECASE)
 
 
 def _codec(text) -> str:
     name = str(text).strip().lower()
-    if name not in CODECS:
-        raise ValueError(f"must be one of {', '.join(CODECS)}")
+    if name not in oc.MOMENT_CODECS:
+        raise ValueError(f"must be one of {', '.join(oc.MOMENT_CODECS)}")
     return name
 
 
@@ -71,6 +68,14 @@ def _tol(text) -> float:
     return value
 
 
+def _loss(text) -> str:
+    from optstate_core.apps.auto import LOSSES
+    name = str(text).strip().lower()
+    if name not in LOSSES:
+        raise ValueError(f"must be one of {', '.join(LOSSES)}")
+    return name
+
+
 def _clip_mode(text) -> str:
     from optstate_core.schedule.release import CLIP_MODES
     s = str(text).strip().lower()
@@ -85,29 +90,27 @@ def _size_or_zero(text) -> Union[int, str]:
 
 
 def _size(text) -> Union[int, str]:
-    """A byte count: an int, or a string such as ``64MB`` / ``2GiB`` (kept as text for the core)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError("must be positive")
-        return text
+    """A byte count checked by the core's parser (``optstate_core.parse_bytes``): an int, or a string
+    such as ``64MB`` / ``2GiB`` (kept as text; the core parses it again where it is used)."""
+    try:
+        oc.parse_bytes(text, "size")
+    except ValueError as e:
+        raise ValueError("must be positive" if "must be positive" in str(e) else
+                         "must be a positive byte count such as 67108864, 64MB or 2GiB") from None
     s = str(text).strip()
-    if s.isdigit():
-        return _size(int(s))
-    if not _SIZE.fullmatch(s) or float(re.match(r"[0-9]*\.?[0-9]+", s).group()) <= 0:
-        raise ValueError("must be a positive byte count such as 67108864, 64MB or 2GiB")
-    return s
+    return int(s) if s.isdigit() else text
 
 
 @dataclass(frozen=True)
 class Key:
     parse: Callable
     help: str
-    target: str  # "policy", "wrap" or "adaptive": where the value goes
+    target: str  # "policy", "wrap", "adaptive" or "auto" (optstate_adamw_auto's plan): where the value goes
 
 
 #: Every accepted ``optim_args`` key: parser, meaning, and where it goes.
 KEYS: Dict[str, Key] = {
-    "state": Key(_codec, f"codec of both moments ({'/'.join(CODECS)})", "policy"),
+    "state": Key(_codec, f"codec of both moments ({'/'.join(oc.MOMENT_CODECS)})", "policy"),
     "momentum": Key(_codec, "codec of the first moment (overrides state)", "policy"),
     "variance": Key(_codec, "codec of the second moment (overrides state)", "policy"),
     "offload": Key(_offload, "where compressed state lives between steps: none (the parameters' device) "
@@ -132,6 +135,14 @@ KEYS: Dict[str, Key] = {
     "clip_mode": Key(_clip_mode, "how max_grad_norm clips: auto, global, previous or per_tensor", "wrap"),
     "release_bucket_bytes": Key(_size_or_zero, "with release_gradients: gradient bytes pending before one batched "
                                                "update (default 256MiB; 0: each parameter in its own hook)", "wrap"),
+    "seq_len": Key(_int(1), "auto: tokens per sequence to plan for (default: the trainer's max_length, else the "
+                            "model's max_position_embeddings)", "auto"),
+    "gpu_memory": Key(_size, "auto: GPU bytes to plan for (default: the device's free memory plus this process's "
+                             "reserve; none on the CPU)", "auto"),
+    "activations": Key(_size_or_zero, "auto: activation bytes at the step's peak (default: the planner's estimate, "
+                                      "Llama-family models only)", "auto"),
+    "loss": Key(_loss, "auto: plain (logits materialized) or fused/chunked/liger (none); default: use_liger_kernel "
+                       "or a model with the chunked loss, else plain", "auto"),
 }
 #: wrap options that are forwarded only when the installed optstate_core accepts them.
 PASS_THROUGH = ("gpu_budget", "prefetch_during_backward")
@@ -184,29 +195,32 @@ class OptimArgs:
 
     # -- what the optimizer is built from ----------------------------------------------------
     def policy(self, preset: str = "default") -> oc.WarmupPolicy:
-        """The preset's WarmupPolicy with these overrides (AdaptiveWarmupPolicy if ``adaptive``)."""
+        """The preset's policy with these overrides (``oc.make_policy``; AdaptiveWarmupPolicy if ``adaptive``)."""
         if preset not in oc.PRESETS:
             raise ValueError(f"preset must be one of {', '.join(sorted(oc.PRESETS))}, got {preset!r}")
-        kwargs = dict(oc.PRESETS[preset])
+        planned = [k for k in self._values if KEYS[k].target == "auto"]
+        if planned:
+            raise _error(f"{', '.join(planned)} only apply with optim='optstate_adamw_auto' (preset {preset!r})")
+        overrides = {}
         if "state" in self:
-            kwargs["momentum_codec"] = kwargs["variance_codec"] = self.get("state")
+            overrides["momentum_codec"] = overrides["variance_codec"] = self.get("state")
         if "momentum" in self:
-            kwargs["momentum_codec"] = self.get("momentum")
+            overrides["momentum_codec"] = self.get("momentum")
         if "variance" in self:
-            kwargs["variance_codec"] = self.get("variance")
+            overrides["variance_codec"] = self.get("variance")
         if "offload" in self:
-            kwargs["device_resident"] = False if self.get("offload") == "host" else None
+            overrides["device_resident"] = False if self.get("offload") == "host" else None
         for key in ("warmup_steps", "min_int8_elements"):
             if key in self:
-                kwargs[key] = self.get(key)
+                overrides[key] = self.get(key)
         if self.get("stochastic_rounding"):
             for role in ("momentum_codec", "variance_codec"):
-                spec = kwargs.get(role)
+                spec = overrides.get(role, oc.PRESETS[preset].get(role))
                 if isinstance(spec, str) and spec != "fp32":
-                    kwargs[role] = oc.get_codec(spec, stochastic_rounding=True)
+                    overrides[role] = oc.get_codec(spec, stochastic_rounding=True)
         if self.get("adaptive"):
-            return oc.AdaptiveWarmupPolicy(**kwargs, patience=self.get("patience", 5), tol=self.get("tol", 1e-3))
-        return oc.WarmupPolicy(**kwargs)
+            overrides.update(patience=self.get("patience", 5), tol=self.get("tol", 1e-3))
+        return oc.make_policy(preset, adaptive=bool(self.get("adaptive")), **overrides)
 
     def wrap_options(self) -> dict:
         """Options for ``optstate_core.VirtualOptimizer``."""

@@ -83,15 +83,18 @@ class OptStateScheduleFreeAdamW(oc.VirtualOptimizer):
 CLASSES = {"adamw": OptStateAdamW, "lion": OptStateLion, "schedule_free_adamw": OptStateScheduleFreeAdamW}
 
 
-def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None, family: str = "adamw"):
+def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None, family: str = "adamw", model=None):
     """``(class, kwargs)`` from ``TrainingArguments`` (lr, betas, eps, weight decay; schedule-free:
     ``warmup_steps`` too): what ``optim="optstate_adamw..."`` (``family="adamw"``), ``"optstate_lion..."``
     (``"lion"``) or ``"optstate_schedule_free_adamw..."`` (``"schedule_free_adamw"``) builds, for
     ``Trainer(optimizer_cls_and_kwargs=...)``. ``optim_args`` defaults to ``args.optim_args``; it is
-    validated here."""
+    validated here. ``preset="auto"`` plans for ``model`` now (:func:`optstate_hf.auto.resolve`)."""
     if family not in CLASSES:
         raise ValueError(f"family must be one of {', '.join(CLASSES)}, got {family!r}")
     options = parse_optim_args(args.optim_args if optim_args is None else optim_args)
+    if preset == "auto":
+        from .auto import resolve
+        preset, options = resolve(args, model, options, family)
     options.policy(preset)  # validate the preset and the policy arguments now, not at first step
     kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "weight_decay": args.weight_decay,
               "preset": preset, "optim_args": options}

@@ -14,9 +14,11 @@ Three steps, the same on every supported transformers:
   (the Trainer creates its optimizer before ``on_train_begin``, where the callback binds the
   accumulation boundaries and, under FSDP2, rebinds release to the sharded parameters).
 
-The names and the enum step live in ``optstate_hf_names`` (standard library only), which the
-``.pth`` hook of an installed optstate runs when transformers is imported, and which imports this
-package once ``transformers.trainer`` has executed: the names then need no ``import optstate_hf``.
+The names are generated from ``optstate_core.PRESETS`` (:func:`optstate_hf_names.optim_names`: one
+per preset and family, and ``optstate_adamw_auto``). The enum step lives in ``optstate_hf_names``
+(standard library only), which the ``.pth`` hook of an installed optstate runs when transformers is
+imported (with the table's preset names, which it cannot import), and which imports this package once
+``transformers.trainer`` has executed: the names then need no ``import optstate_hf``.
 
 If the installed transformers lacks the validation or dispatch hook, :func:`register` raises
 :class:`RegistrationError` before changing anything (``Trainer(optimizer_cls_and_kwargs=...)`` still
@@ -29,12 +31,16 @@ import inspect
 import logging
 from typing import Callable
 
-from optstate_hf_names import FAMILY_OF, OPTIM_NAMES, RegistrationError, add_enum_member, add_names, is_str_enum
+import optstate_core as oc
+from optstate_hf_names import RegistrationError, add_enum_member, add_names, is_str_enum, optim_names
 
 __all__ = ["FAMILY_OF", "OPTIM_NAMES", "RegistrationError", "add_enum_member", "attach_callback", "is_registered",
            "register"]
 
 log = logging.getLogger("optstate.hf")
+
+#: ``optim`` name -> preset of ``optstate_core.PRESETS`` (or ``auto``), and -> the optimizer family it builds
+OPTIM_NAMES, FAMILY_OF = optim_names(oc.PRESETS)
 
 HOOK = "get_optimizer_cls_and_kwargs"
 CREATE = "create_optimizer"
@@ -81,7 +87,7 @@ def _wrap(original: Callable) -> Callable:
             return original(args, model)
         from .optimizer import optimizer_cls_and_kwargs
 
-        return optimizer_cls_and_kwargs(args, preset=preset, family=FAMILY_OF[optim])
+        return optimizer_cls_and_kwargs(args, preset=preset, family=FAMILY_OF[optim], model=model)
 
     get_optimizer_cls_and_kwargs.optstate_original = original
     return get_optimizer_cls_and_kwargs
@@ -125,7 +131,7 @@ def register() -> None:
     nothing, on a transformers without the two hooks."""
     names = _optimizer_names()
     trainer, fn = _dispatch_hook()
-    add_names(names)
+    add_names(names, OPTIM_NAMES)
     if not hasattr(fn, "optstate_original"):
         setattr(trainer, HOOK, staticmethod(_wrap(fn)))
     create = trainer.__dict__.get(CREATE)

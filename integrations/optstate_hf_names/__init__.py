@@ -22,38 +22,47 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict
+from typing import Dict, Tuple
 
 ENV = "OPTSTATE_HF_AUTOREGISTER"
 #: the ``.pth`` file (beside this module: the source that setup.py and ``python -m optstate_hf_names
 #: install`` copy into site-packages)
 PTH_NAME = "optstate_hf_names.pth"
 
-#: ``optim`` name -> preset name in ``optstate_core.PRESETS``.
-OPTIM_NAMES: Dict[str, str] = {
-    "optstate_adamw": "default",
-    "optstate_adamw_8bit": "8bit",
-    "optstate_adamw_4bit": "4bit",
-    "optstate_adamw_offload": "offload",
-    # bf16 parameters (load the model in bf16 or oc.cast_model it) + fp32 masters as state
-    "optstate_adamw_bf16w_8bit": "bf16w-8bit",
-    "optstate_adamw_bf16w_4bit": "bf16w-4bit",
-    "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
-    "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
-    "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
-    "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
-    "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
-    "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload",
-}
-#: ``optim`` name -> the inner optimizer it builds: every AdamW name also exists for lion-pytorch's
-#: Lion and schedulefree's AdamWScheduleFree (``optstate_lion_8bit``: Lion with the ``8bit`` preset)
-_ADAMW_NAMES = dict(OPTIM_NAMES)
-FAMILY_OF: Dict[str, str] = dict.fromkeys(_ADAMW_NAMES, "adamw")
-for _prefix, _family in (("optstate_lion", "lion"), ("optstate_schedule_free_adamw", "schedule_free_adamw")):
-    for _adamw_name, _preset in _ADAMW_NAMES.items():
-        _name = _prefix + _adamw_name[len("optstate_adamw"):]
-        OPTIM_NAMES[_name], FAMILY_OF[_name] = _preset, _family
-del _prefix, _family, _adamw_name, _preset, _name
+#: the names of ``optstate_core.PRESETS``, for this hook alone: it runs before (and without) torch and
+#: optstate_core, so it cannot read the table. ``optstate_hf.registration`` generates its names from the
+#: table itself, and tests/integrations/test_hf_registration.py checks that this tuple equals its keys.
+PRESET_NAMES = ("fp32", "bf16", "8bit", "4bit", "offload", "4bit-all",
+                "bf16w-8bit", "bf16w-8bit-lean", "bf16w-8bit-lean-hostcorr", "bf16w-8bit-lean-offload",
+                "bf16w-4bit", "bf16w-4bit-lean", "bf16w-4bit-lean-hostcorr", "bf16w-4bit-lean-offload",
+                "8bit-it24", "4bit-it24", "default")
+#: the preset picked per model and device (``optstate_core.apps.auto``): AdamW only, ``optstate_adamw_auto``
+AUTO = "auto"
+#: name prefix -> the inner optimizer it builds: every preset exists for AdamW, lion-pytorch's Lion and
+#: schedulefree's AdamWScheduleFree (``optstate_lion_8bit``: Lion with the ``8bit`` preset)
+FAMILIES = {"optstate_adamw": "adamw", "optstate_lion": "lion", "optstate_schedule_free_adamw": "schedule_free_adamw"}
+
+
+def optim_name(prefix: str, preset: str) -> str:
+    """``optstate_adamw`` for ``default``, else the prefix, ``_`` and the preset with ``-`` as ``_``
+    (``bf16w-4bit-lean`` -> ``optstate_adamw_bf16w_4bit_lean``)."""
+    return prefix if preset == "default" else f"{prefix}_{preset.replace('-', '_')}"
+
+
+def optim_names(presets) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """``({optim name: preset}, {optim name: family})`` for every family and preset of ``presets``,
+    and ``optstate_adamw_auto``."""
+    names: Dict[str, str] = {}
+    family_of: Dict[str, str] = {}
+    for prefix, family in FAMILIES.items():
+        for preset in list(presets) + ([AUTO] if family == "adamw" else []):
+            name = optim_name(prefix, preset)
+            names[name], family_of[name] = preset, family
+    return names, family_of
+
+
+#: ``optim`` name -> preset name in ``optstate_core.PRESETS`` (or ``auto``), and -> its family
+OPTIM_NAMES, FAMILY_OF = optim_names(PRESET_NAMES)
 
 _OFF = ("0", "false", "no", "off")
 
@@ -90,9 +99,10 @@ def is_str_enum(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, Enum) and issubclass(cls, str)
 
 
-def add_names(enum_cls) -> None:
-    """Every name of :data:`OPTIM_NAMES` as a member of transformers' ``OptimizerNames`` (idempotent)."""
-    for optim in OPTIM_NAMES:
+def add_names(enum_cls, names=None) -> None:
+    """Every name of ``names`` (default :data:`OPTIM_NAMES`) as a member of transformers'
+    ``OptimizerNames`` (idempotent)."""
+    for optim in OPTIM_NAMES if names is None else names:
         add_enum_member(enum_cls, optim.upper(), optim)
 
 

@@ -7,15 +7,20 @@ from typing import Optional, Union
 import torch
 
 import optstate_core as oc
+from optstate_core.apps import auto
 
 PolicySpec = Union[None, str, oc.Policy]
+AUTO = "auto"
 
 
 class OptStateConfig:
     """Validated settings: the policy (template), metric logging, and ``oc.wrap`` options.
 
     ``policy`` is ``None`` (the default preset), a preset name from ``optstate_core.PRESETS``,
-    or an ``optstate_core.Policy``. A Policy instance is a *template*: every wrapped optimizer
+    ``"auto"`` (preset, ``gpu_budget`` and release planned for the LightningModule when the optimizer
+    is wrapped: ``optstate_core.apps.auto.wrap``, whose ``micro_batch``, ``seq_len``, ``loss``,
+    ``gpu_memory``, ``activations`` and ``device`` are taken among the wrap options), or an
+    ``optstate_core.Policy``. A Policy instance is a *template*: every wrapped optimizer
     gets its own deep copy, so a second ``fit`` or a second optimizer starts from the
     template's phase, and a checkpoint restores the phase it saved.
     """
@@ -25,7 +30,7 @@ class OptStateConfig:
         if policy is not None and not isinstance(policy, (str, oc.Policy)):
             raise ValueError(f"policy must be None, a preset name ({', '.join(sorted(oc.PRESETS))}) or an "
                              f"optstate_core.Policy, got {type(policy).__name__}")
-        if isinstance(policy, str):
+        if isinstance(policy, str) and policy != AUTO:
             oc.make_policy(policy)  # raises ValueError naming the valid presets
         if log_metrics not in (True, False):
             raise ValueError(f"log_metrics must be True or False, got {log_metrics!r}")
@@ -34,6 +39,12 @@ class OptStateConfig:
         wrap_options = dict(wrap_options or {})
         if "policy" in wrap_options:
             raise ValueError("wrap options: pass the policy as policy=..., not among the wrap options")
+        self.auto_options = {k: wrap_options.pop(k) for k in auto.OPTIONS if k in wrap_options} \
+            if policy == AUTO else {}
+        chosen = [k for k in ("gpu_budget", "offload") if k in wrap_options] if policy == AUTO else []
+        if chosen:
+            raise ValueError(f"wrap options: {', '.join(chosen)}: policy='auto' chooses it; leave it out or name a "
+                             "preset")
         _check_wrap_options(wrap_options)
         self.policy = policy
         self.log_metrics = log_metrics
@@ -52,6 +63,8 @@ class OptStateConfig:
         options = dict(self.wrap_options)
         if module is not None and "named_parameters" not in options:
             options["named_parameters"] = list(module.named_parameters())
+        if self.policy == AUTO:  # planned for this module on its device now (one log line)
+            return auto.wrap(optimizer, module, **self.auto_options, **options)
         return oc.wrap(optimizer, self.new_policy(), **options)
 
     def describe(self) -> str:

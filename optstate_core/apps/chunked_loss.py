@@ -140,6 +140,11 @@ def _causal_lm_forward(self, input_ids=None, labels=None, num_items_in_batch=Non
     return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
+def has_chunked_loss(model) -> bool:
+    """Whether :func:`use_chunked_loss` gave ``model`` the chunked loss."""
+    return getattr(model, "_optstate_slice_bytes", None) is not None
+
+
 def use_chunked_loss(model: torch.nn.Module, slice_bytes: int = SLICE_BYTES) -> torch.nn.Module:
     """Give a Hugging Face causal LM (``model.model`` + ``model.lm_head`` without bias, Llama,
     Mistral, Qwen) the chunked loss: its forward with ``labels`` returns the same loss with

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .model_shapes import checkpointed_activation_bytes, config_shapes
 from .plan import BUDGET_PRESET, PCIE_BYTES_PER_S, Plan, PlanRow, _hints, _how_to_wrap, gib, make_plan
@@ -142,12 +142,18 @@ def preset_for(config: dict, gpu_memory: int, micro_batch: int, seq: int = DEFAU
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     _, p = _plan(config_shapes(config), config, gpu_memory, micro_batch, seq, fused_loss, PLANNED,
                  pcie_bytes_per_s)
-    fitting = [(row.pcie_bytes, i, row) for i, row in enumerate(candidate_row(p, c) for c in CANDIDATES)
-               if row is not None and row.fits]
-    if not fitting:
+    row = pick(p)
+    if row is None:
         return None, None
-    _, i, row = min(fitting, key=lambda f: f[:2])
-    return _presets_of(CANDIDATES[i])[0], row.gpu_budget
+    return row.name.split(" + ")[0], row.gpu_budget
+
+
+def pick(plan: Plan, candidates: Sequence[str] = CANDIDATES) -> Optional[PlanRow]:
+    """Of the rows of ``candidates`` in ``plan`` that fit, the one that moves the fewest bytes over
+    PCIe per step (all-resident state first), then the earlier in ``candidates``; None when none fits."""
+    fitting = [(row.pcie_bytes, i, row) for i, row in enumerate(candidate_row(plan, c) for c in candidates)
+               if row is not None and row.fits]
+    return min(fitting, key=lambda f: f[:2])[2] if fitting else None
 
 
 def _micro_batches(shapes, config, gpu_memory, seq, candidate, pcie_bytes_per_s) -> List[MicroBatch]:

@@ -15,25 +15,53 @@ from transformers.training_args import OptimizerNames  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NAMES = {"optstate_adamw": "default", "optstate_adamw_8bit": "8bit", "optstate_adamw_4bit": "4bit",
-         "optstate_adamw_offload": "offload", "optstate_adamw_bf16w_8bit": "bf16w-8bit",
-         "optstate_adamw_bf16w_4bit": "bf16w-4bit", "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
-         "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
-         "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
-         "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
-         "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
-         "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload"}
-
-
+#: the names registered before they were generated from the preset table: they must stay valid
+HAND_LIST = {"optstate_adamw": "default", "optstate_adamw_8bit": "8bit", "optstate_adamw_4bit": "4bit",
+             "optstate_adamw_offload": "offload", "optstate_adamw_bf16w_8bit": "bf16w-8bit",
+             "optstate_adamw_bf16w_4bit": "bf16w-4bit", "optstate_adamw_bf16w_8bit_lean": "bf16w-8bit-lean",
+             "optstate_adamw_bf16w_4bit_lean": "bf16w-4bit-lean",
+             "optstate_adamw_bf16w_8bit_lean_hostcorr": "bf16w-8bit-lean-hostcorr",
+             "optstate_adamw_bf16w_4bit_lean_hostcorr": "bf16w-4bit-lean-hostcorr",
+             "optstate_adamw_bf16w_8bit_lean_offload": "bf16w-8bit-lean-offload",
+             "optstate_adamw_bf16w_4bit_lean_offload": "bf16w-4bit-lean-offload"}
+#: one name per preset of the core's table: "optstate_adamw" + "_" + the preset with "-" as "_"
+NAMES = {"optstate_adamw" + ("" if preset == "default" else "_" + preset.replace("-", "_")): preset
+         for preset in oc.PRESETS}
 #: every AdamW name exists for lion-pytorch's Lion and schedulefree's AdamWScheduleFree too
 NAMES.update({family + name[len("optstate_adamw"):]: preset for name, preset in list(NAMES.items())
               for family in ("optstate_lion", "optstate_schedule_free_adamw")})
+PRESET_NAMES = sorted(NAMES)  # the names of the table's presets
+NAMES["optstate_adamw_auto"] = "auto"  # the preset chosen per model (tests/integrations/test_hf_auto.py)
 
 
 def test_names_map_to_core_presets():
     assert optstate_hf.OPTIM_NAMES == NAMES
-    assert set(NAMES.values()) <= set(oc.PRESETS)
+    assert set(NAMES.values()) == set(oc.PRESETS) | {"auto"}
+    assert HAND_LIST.items() <= NAMES.items()
+    assert {"optstate_adamw_8bit_it24", "optstate_schedule_free_adamw_4bit_it24"} <= NAMES.keys()
     assert optstate_hf.is_registered()
+
+
+def test_the_hooks_preset_names_are_the_core_table():
+    """The .pth hook registers names before optstate_core can be imported, from its own tuple of the
+    table's preset names: a preset added to the table must be added there too."""
+    import optstate_hf_names
+
+    assert list(optstate_hf_names.PRESET_NAMES) == list(oc.PRESETS)
+    assert optstate_hf_names.OPTIM_NAMES == optstate_hf.OPTIM_NAMES
+
+
+@pytest.mark.parametrize("preset", sorted(oc.PRESETS))
+def test_every_preset_has_a_name_that_builds_its_policy(tmp_path, preset):
+    name = next(n for n, p in NAMES.items() if p == preset and n.startswith("optstate_adamw"))
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args(tmp_path, optim=name, optim_args=None))
+    opt = cls([torch.nn.Parameter(torch.zeros(64, 64))], **kwargs)
+    expected = oc.make_policy(preset)
+    assert opt.policy.describe() == expected.describe()
+    assert vars(opt.policy).keys() == vars(expected).keys()
+    for key, value in vars(expected).items():
+        if not key.startswith("_"):
+            assert repr(getattr(opt.policy, key)) == repr(value), key
 
 
 @pytest.mark.parametrize("name", sorted(NAMES))
@@ -97,7 +125,7 @@ def test_trainer_subclasses_inherit_the_dispatch(tmp_path):
     assert cls is optstate_hf.OptStateAdamW and kwargs["preset"] == "4bit"
 
 
-@pytest.mark.parametrize("name", sorted(NAMES))
+@pytest.mark.parametrize("name", PRESET_NAMES)
 def test_handler_builds_preset_with_trainer_hyperparameters(tmp_path, name):
     args = training_args(tmp_path, optim=name, optim_args=None, learning_rate=2e-3, adam_beta1=0.8,
                          adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.05)
