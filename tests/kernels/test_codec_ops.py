@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from optstate_core.step.kernels import launch  # noqa: E402
-from optstate_core.step.kernels.adam import program_tile, tile_offsets  # noqa: E402
+from optstate_core.step.kernels.common import program_tile, tile_offsets  # noqa: E402
 from optstate_core.step.kernels.codec_ops import load_state, store_state  # noqa: E402
 from optstate_core.step.fused import state_kind  # noqa: E402
 
