@@ -10,8 +10,9 @@
 * ``launch.py``     pointer tables and work lists
 * ``compile_ahead.py`` kernel variants compiled on a thread before their launches (CUDA)
 
-Kernels import nothing from the engine. On a machine without a GPU they run under
-``TRITON_INTERPRET=1`` (that is how CI tests them).
+Kernels import nothing from the engine, only the state-kind enum (``state/codecs/kinds.py``). On a
+machine without a GPU they run under ``TRITON_INTERPRET=1`` (that is how CI tests them). Which
+optimizer launches which kernel, with which arguments: ``step/fused_optimizers/``.
 """
 from __future__ import annotations
 
