@@ -26,23 +26,27 @@ P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # (section 15: 6.51 vs 6.91 ms at 2 x 2, H100), looped 16 times and capped at 64 registers (no
 # spills; 32 one-warp programs per SM instead of 25 at its 80): H200 5.18 vs 5.49 ms uncapped, 5.84
 # (and 6.24 at the previous 4-bit rounding code) unlooped. Env vars override every kind's value
-# (OPTSTATE_NBLK, OPTSTATE_NUM_WARPS, OPTSTATE_ITERS, OPTSTATE_MAXNREG; 0: no cap).
+# (OPTSTATE_NBLK, OPTSTATE_NUM_WARPS, OPTSTATE_ITERS, OPTSTATE_MAXNREG; 0: no cap), read at wrap().
 LAUNCH_SHAPES = {  # state kind -> (NBLK, num_warps, ITERS, maxnreg) of the Adam kernel (SGD: no loops)
     "int8": (4, 2, 2, 0),
     "int4": (1, 1, 16, 64),
     "other": (2, 2, 1, 0),
 }
+SHAPE_ENV = ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG")
 
 
-for _kind, _shape in LAUNCH_SHAPES.items():
-    LAUNCH_SHAPES[_kind] = tuple(env_count(name, value, least) for name, value, least in zip(
-        ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG"), _shape, (1, 1, 1, 0)))
+def launch_shapes() -> Dict[str, tuple]:
+    """:data:`LAUNCH_SHAPES` as it is now (``optstate bench --tune`` changes it in place) with the
+    environment's overrides of every kind's value; read when a launcher is built (at wrap()), and a
+    value that is not a count is refused there by name."""
+    return {kind: tuple(env_count(name, value, least) for name, value, least in zip(SHAPE_ENV, shape, (1, 1, 1, 0)))
+            for kind, shape in LAUNCH_SHAPES.items()}
 
 
-def launch_shape(plan) -> tuple:
+def launch_shape(plan, shapes: Dict[str, tuple]) -> tuple:
     """(NBLK, num_warps, ITERS, maxnreg or None) for a bucket's plan, by its most compressed state
     (``FusedOptimizer.shape_kind``; only a looping kernel takes ITERS)."""
-    nblk, warps, iters, regs = LAUNCH_SHAPES[plan.optimizer.shape_kind(plan)]
+    nblk, warps, iters, regs = shapes[plan.optimizer.shape_kind(plan)]
     return nblk, warps, iters if plan.optimizer.loops else 1, regs or None
 
 
@@ -94,6 +98,7 @@ class KernelLauncher:
         self.group_scalars: Dict[int, dict] = {}  # schedule-free AdamW: this step's values per group
         self.compile_ahead = compile_ahead.enabled()  # kernel variants compiled on a thread ahead of their launches
         self.fast_math = fast_math()
+        self.shapes = launch_shapes()  # LAUNCH_SHAPES with the environment's overrides, read at wrap()
 
     def close(self) -> None:
         """Forget cached launch tables (they hold device pointers of freed state)."""
@@ -202,7 +207,7 @@ class KernelLauncher:
         plan, params, check = bucket.plan, bucket.params, self.engine.skip_nonfinite
         device, n = params[0].device, len(params)
         group = self.engine.inner.param_groups[bucket.group_index]
-        nblk, warps, iters, maxnreg = launch_shape(plan)
+        nblk, warps, iters, maxnreg = launch_shape(plan, self.shapes)
         iters = loops_for(bucket.tiles, nblk, iters, warps, device)
         memo, memo_key = bucket.memo(device), ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
         if memo_key not in memo:
