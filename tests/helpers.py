@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -124,34 +120,6 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-_IMPORT_UNDER = """
-import importlib, json, os, sys
-base = dict(os.environ)
-for setting in json.loads(sys.argv[2]):
-    for name in [m for m in sys.modules if m == "optstate_core" or m.startswith("optstate_core.")]:
-        del sys.modules[name]
-    os.environ.clear()
-    os.environ.update(base, **setting)
-    try:
-        importlib.import_module(sys.argv[1])
-        print("OUTCOME", json.dumps(None))
-    except ValueError as e:
-        print("OUTCOME", json.dumps(str(e)))
-"""
-
-
-def import_outcomes(module: str, settings) -> list:
-    """Import ``module`` afresh under each dict of environment ``settings``, all in one interpreter
-    (torch is imported once): per setting, the ``ValueError`` the import raised (its message), or
-    None when it imported."""
-    names = {k for setting in settings for k in setting}
-    run = subprocess.run([sys.executable, "-c", _IMPORT_UNDER, module, json.dumps(list(settings))],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
-                         env={k: v for k, v in os.environ.items() if k not in names})
-    assert run.returncode == 0, run.stderr
-    return [json.loads(line[len("OUTCOME "):]) for line in run.stdout.splitlines() if line.startswith("OUTCOME ")]
 
 
 def local_tensors(tree, prefix=""):

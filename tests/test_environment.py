@@ -97,10 +97,17 @@ def test_optstate_env_prints_each_knob_with_its_value_and_default(monkeypatch, c
 
 
 def test_settings_once_read_at_import_are_read_at_wrap(monkeypatch):
-    """``OPTSTATE_FAST_MATH`` (and ``OPTSTATE_SLAB_MB``: tests/test_schedule_prefetch.py) apply to
-    optimizers wrapped after they are set, without a new import."""
+    """``OPTSTATE_FAST_MATH``, the launch shapes (and ``OPTSTATE_SLAB_MB``: tests/test_schedule_prefetch.py)
+    apply to optimizers wrapped after they are set, without a new import."""
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
     monkeypatch.setenv("OPTSTATE_FAST_MATH", "0")
     assert not oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.fast_math
     monkeypatch.delenv("OPTSTATE_FAST_MATH")
     assert oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.fast_math
+    from optstate_core.step import fused_launch
+    for name in fused_launch.SHAPE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.shapes == fused_launch.LAUNCH_SHAPES
+    monkeypatch.setenv("OPTSTATE_MAXNREG", "32")
+    shapes = oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.shapes
+    assert shapes == {kind: shape[:3] + (32,) for kind, shape in fused_launch.LAUNCH_SHAPES.items()}

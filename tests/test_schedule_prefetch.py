@@ -379,7 +379,7 @@ def test_slab_plan_copies_whole_or_per_parameter():
         backward(model, batch(step))
         opt.step()
         opt.zero_grad()
-    (bucket,) = [b for b in opt._engine._plan_cache[1] if b.plan["offload"]]
+    (bucket,) = [b for b in opt._engine._plan_cache[1] if b.plan.offload]
     plan = slab_plan(bucket, [1, 0])
     for pieces in (None, [1]):
         buffer = torch.zeros(plan.layout.nbytes, dtype=torch.uint8)

@@ -32,7 +32,7 @@ def set_grads(ps, step):
 
 
 def offloaded_bucket(opt):
-    (bucket,) = [b for b in opt._engine._plan_cache[1] if b.plan["offload"]]
+    (bucket,) = [b for b in opt._engine._plan_cache[1] if b.plan.offload]
     return bucket
 
 

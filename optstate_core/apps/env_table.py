@@ -49,13 +49,13 @@ KNOBS = (
     Knob("OPTSTATE_FAST_MATH", "1", "diagnosis", "wrap()", _LAUNCH,
          "anything but `1`: correctly rounded square root and division in the fused Adam update "
          "instead of the hardware approximations (a few ulp)"),
-    Knob("OPTSTATE_NBLK", "4/1/2", "diagnosis", "import", _LAUNCH,
+    Knob("OPTSTATE_NBLK", "4/1/2", "diagnosis", "wrap()", _LAUNCH,
          "256-element tiles per program of the fused kernels" + _PER_KIND.format(4, 1, 2)),
-    Knob("OPTSTATE_NUM_WARPS", "2/1/2", "diagnosis", "import", _LAUNCH,
+    Knob("OPTSTATE_NUM_WARPS", "2/1/2", "diagnosis", "wrap()", _LAUNCH,
          "warps per program of the fused kernels" + _PER_KIND.format(2, 1, 2)),
-    Knob("OPTSTATE_ITERS", "2/16/1", "diagnosis", "import", _LAUNCH,
+    Knob("OPTSTATE_ITERS", "2/16/1", "diagnosis", "wrap()", _LAUNCH,
          "tiles each Adam program loops over" + _PER_KIND.format(2, 16, 1)),
-    Knob("OPTSTATE_MAXNREG", "0/64/0", "diagnosis", "import", _LAUNCH,
+    Knob("OPTSTATE_MAXNREG", "0/64/0", "diagnosis", "wrap()", _LAUNCH,
          "register cap of the Adam kernel, `0`: none" + _PER_KIND.format(0, 64, 0)),
     Knob("OPTSTATE_HF_AUTOREGISTER", "1", "user", "interpreter start", "integrations/optstate_hf_names/__init__.py",
          "`0` (or `false`, `no`, `off`): the `.pth` hook of an installed optstate stays off, so "

@@ -191,7 +191,7 @@ class GradientRelease:
     def _streams(self, batch: tuple) -> bool:
         """Whether a batch of the previous step has state in host memory (unknown batches count)."""
         entry = self._buckets.get(batch)
-        return entry is None or any(b.plan["offload"] for b in entry[0])
+        return entry is None or any(b.plan.offload for b in entry[0])
 
     def _info_of(self, param):
         info = self._infos.get(id(param))

@@ -183,7 +183,7 @@ class StepSchedule:
         anything was staged."""
         staged = False
         for b in buckets:
-            written = self._written.get(id(b)) if b.plan["offload"] else None
+            written = self._written.get(id(b)) if b.plan.offload else None
             if written is None or written[0] != self.engine.step_count - 1:
                 continue
             items = [(i, id(k)) for i, k in enumerate(b.keys) if id(k) not in self.area.entries]
@@ -195,7 +195,7 @@ class StepSchedule:
     def index_offloaded(self, buckets) -> None:
         """Where each streamed parameter sits in the cached plan (for the prefetch hooks); the
         hooks are registered the first time offloaded state is planned."""
-        self._where = {id(k): (b, i) for b in buckets if b.plan["offload"] for i, k in enumerate(b.keys)}
+        self._where = {id(k): (b, i) for b in buckets if b.plan.offload for i, k in enumerate(b.keys)}
         if self._where and self.area.enabled:
             self.register_hooks(p for g in self.engine.inner.param_groups for p in g["params"])
 
@@ -236,9 +236,9 @@ class StepSchedule:
         """The step() phase: launch resident buckets at once; stream the others through the ring,
         consuming what the backward phase prefetched first; queue each chunk's write-back."""
         kernels = self.engine.kernels
-        streamed = [b for b in buckets if b.plan["offload"]]
+        streamed = [b for b in buckets if b.plan.offload]
         for b in buckets:
-            if not b.plan["offload"]:
+            if not b.plan.offload:
                 kernels.launch(b)
         if not streamed:
             return

@@ -7,6 +7,8 @@
 * ``fused.py``, ``bucket.py``, ``fused_launch.py``
                        the fused path: which parameters the Triton kernels take, their launch
                        buckets, the launches
+* ``fused_optimizers/`` one file per fused optimizer (state keys, eligibility, kernel, launch
+                       arguments) and the registry that finds the one for an inner optimizer
 * ``kernels/``         the Triton kernels, each beside its torch twin
 * ``cpu_step.py``, ``cpu_compile.py``
                        the CPU fast path (one decode-update-encode call per slice) and how

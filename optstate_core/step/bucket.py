@@ -39,7 +39,7 @@ class Bucket:
         self.offsets = [0] * len(works)  # byte offset of each item's rows in its parameter and gradient
         self.storages = storages
         self.plan = plan
-        self.first = plan["first"]
+        self.first = plan.first
         self.tiles = _tiles(self.rows, self.cols)  # 256-element tiles of the launch
         self.aligned = aligned_layout(self.params[0])
         self.whole = self._is_whole()
@@ -103,10 +103,10 @@ class Bucket:
     def host_states(self, master_only: bool = False):
         """Indices (into each parameter's storages) of the states kept in host memory, which
         stream through the staging ring; ``master_only``: just the master-weight correction."""
-        host = self.plan.get("host") or ()
+        host = self.plan.host
         if master_only:
-            k = len(self.plan["keys"])
-            return [k] if self.plan.get("master") and k < len(host) and host[k] else []
+            k = len(self.plan.keys)
+            return [k] if self.plan.master and k < len(host) and host[k] else []
         return [k for k, on_host in enumerate(host) if on_host]
 
     def resident_rows(self, i: int, k: int, r0: int, r1: int):

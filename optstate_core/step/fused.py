@@ -1,13 +1,14 @@
 """The fused path's routing: which parameters the Triton kernels can take, grouped into launch buckets.
 
 A parameter goes to the kernels when it is on CUDA (or on the CPU under ``TRITON_INTERPRET=1``
-with ``fused=True``), the inner optimizer is ``torch.optim.Adam``/``AdamW``, ``SGD`` with
-momentum or lion-pytorch's ``Lion``, its codecs are fp32/bf16/int8/4-bit on the device, and its stored state already has
-those codecs (a codec switch, e.g. at the end of warmup, goes through the reference path once).
-Everything else falls back to the reference path; the first time a reason applies it is
-logged once. One launch covers every parameter of a bucket (same group, codecs, dtype, first
-step or not); :mod:`~optstate_core.step.fused_launch` launches it and :mod:`~optstate_core.schedule.timetable`
-decides when.
+with ``fused=True``), the inner optimizer has an entry in :mod:`~optstate_core.step.fused_optimizers`
+(``torch.optim.Adam``/``AdamW``, ``SGD`` with momentum, lion-pytorch's ``Lion``, schedule-free
+AdamW) that takes its group, its codecs have a kernel form (fp32/bf16/int8/4-bit on the device),
+and its stored state already has those codecs (a codec switch, e.g. at the end of warmup, goes
+through the reference path once). Everything else falls back to the reference path; the first
+time a reason applies it is logged once. One launch covers every parameter of a bucket (same
+group, codecs, dtype, first step or not); :mod:`~optstate_core.step.fused_launch` launches it and
+:mod:`~optstate_core.schedule.timetable` decides when.
 """
 from __future__ import annotations
 
@@ -18,13 +19,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .bucket import Bucket, aligned_layout
-from ..state.codecs import BF16Codec, EncodedTensor, Float24Codec, FP32Codec, Int4Codec, Int8Codec
+from ..state.codecs import EncodedTensor, StateKind
 from ..state.dtensor import is_dtensor, like_param, local
-from .fused_launch import BF16, FP24, FP32, INT4, INT8, P_KINDS
+from .fused_launch import P_KINDS
+from .fused_optimizers import FusedPlan, entry_for, no_kernel
 from .kernels import interpreting, triton_error
-from .inner import decoupled_decay
-from .granularity import qualified_name
-from .schedule_free import is_schedule_free_adamw
 from .kernels.launch import MAX_TENSORS
 from ..state.master_weights import MASTER_KEY
 from ..state.store import allocate_many
@@ -32,43 +31,19 @@ from ..state import master_weights
 
 log = logging.getLogger("optstate")
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 SEED_ELEMENTS = 1 << 24  # rows of a new correction encoded at once (64 MiB of fp32)
-MASTER_BITS = {"corr16": 16, "corr8": 8}  # correction codecs the Adam kernel's master-weight path takes
+MASTER_BITS = {"corr16": 16, "corr8": 8}  # correction codecs the kernels' master-weight path takes
 
 
-def state_kind(codec) -> Optional[int]:
-    """The kernel's state kind for a codec (None: the kernels cannot handle it)."""
-    if isinstance(codec, FP32Codec):
-        return FP32
-    if isinstance(codec, BF16Codec):
-        return BF16
-    if isinstance(codec, Int8Codec) and codec.block_size == 256 and codec.exp_bits is None:
-        return INT8
-    if isinstance(codec, Int4Codec) and codec.block_size == 128:
-        return INT4
-    if isinstance(codec, Float24Codec):
-        return FP24  # schedule-free's iterate only
-    return None
-
-
-def first_step_states(plan: dict, param_dtype: torch.dtype) -> List[tuple]:
+def first_step_states(plan: FusedPlan, param_dtype: torch.dtype) -> List[tuple]:
     """``(key, codec, dtype, on host)`` of each state a plan allocates on its first step: the
     moments (fp32 when lossless or beside master weights, else the parameter's dtype), then the
     master-weight correction (fp32)."""
-    out = [(key, codec, torch.float32 if codec.lossless or plan["master"] else param_dtype, on_host)
-           for key, codec, on_host in zip(plan["keys"], plan["codecs"], plan["host"])]
-    if plan["master"]:
-        out.append((MASTER_KEY, plan["master_codec"], torch.float32, plan["host"][-1]))
+    out = [(key, codec, torch.float32 if codec.lossless or plan.master else param_dtype, on_host)
+           for key, codec, on_host in zip(plan.keys, plan.codecs, plan.host)]
+    if plan.master:
+        out.append((MASTER_KEY, plan.master_codec, torch.float32, plan.host[-1]))
     return out
-
-
-def is_lion(inner) -> bool:
-    """lion-pytorch's ``Lion`` with its own (torch) update function, which the Lion kernel reproduces."""
-    if qualified_name(type(inner)) != "lion_pytorch.lion_pytorch.Lion":
-        return False
-    update = getattr(inner, "update_fn", None)
-    return getattr(update, "__module__", None) == "lion_pytorch.lion_pytorch" and update.__name__ == "update_fn"
 
 
 class FusedPath:
@@ -101,7 +76,7 @@ class FusedPath:
         with ``fused=True``."""
         return p.device.type == "cuda" or bool(self.mode and p.device.type == "cpu" and interpreting())
 
-    def plan(self, w, allow_uncompressed: bool = False) -> Optional[dict]:
+    def plan(self, w, allow_uncompressed: bool = False) -> Optional[FusedPlan]:
         """How the kernel would step this parameter, or None (reference path). Uncompressed
         state goes to torch's own implementation unless ``allow_uncompressed``."""
         if self.mode is False:
@@ -111,103 +86,106 @@ class FusedPath:
             return self._fallback(f"parameters on {p.device.type} (the fused kernels need CUDA)")
         if triton_error():
             return self._fallback(triton_error())
-        if type(inner) in (torch.optim.Adam, torch.optim.AdamW):
-            kind, keys = "adam", ADAM_KEYS
-        elif type(inner) is torch.optim.SGD:
-            kind, keys = "sgd", ("momentum_buffer",)
-        elif is_lion(inner):
-            kind, keys = "lion", ("exp_avg",)
-        elif is_schedule_free_adamw(inner):
-            kind, keys = "schedule_free", ("z", "exp_avg_sq")
-        else:
-            return self._fallback(f"{type(inner).__name__} has no fused kernel (Adam, AdamW, SGD and "
-                                  "lion-pytorch's Lion do)")
+        entry = entry_for(inner)
+        if entry is None:
+            return self._fallback(no_kernel(inner))
         group = inner.param_groups[w.info.group_index]
-        if group.get("differentiable"):
-            return self._fallback("differentiable=True")
-        if kind == "sgd" and not group["momentum"]:
-            return self._fallback("SGD without momentum has no state to compress")
-        if kind == "adam" and group.get("amsgrad"):
-            keys = keys + ("max_exp_avg_sq",)
-        lr = group["lr"]
-        if kind in ("lion", "schedule_free") and isinstance(lr, torch.Tensor):
-            return self._fallback(f"{type(inner).__name__} with a tensor lr")
-        if isinstance(lr, torch.Tensor) and (lr.device != p.device or lr.numel() != 1 or lr.dtype != torch.float32):
-            return self._fallback("a tensor lr that is not a float32 scalar on the parameter's device")
-        if p.dtype not in P_KINDS or p.is_complex():
-            return self._fallback(f"parameter dtype {p.dtype}")
-        if not p.is_contiguous() or not w.grad.is_contiguous() or w.grad.dtype != p.dtype:
-            return self._fallback("a non-contiguous parameter or gradient, or a gradient of another dtype")
+        reason = self._refusal(w, entry, group)
+        if reason is not None:
+            return self._fallback(reason)
         if p.numel() == 0:
             return None
-        master, master_codec = 0, self.engine.policy.master_codec(w.info)
-        if master_codec is not None:
-            if kind != "adam" or p.dtype != torch.bfloat16 or master_codec.name not in MASTER_BITS:
-                return self._fallback("master weights other than Adam/AdamW on bf16 parameters with a corr16/corr8 "
-                                      "correction")
-            master_codec = self.engine.codec_of(w, MASTER_KEY)
-            master = MASTER_BITS.get(master_codec.name)
-            if master is None:
-                return self._fallback(f"master-weight correction codec {master_codec!r} has no kernel")
+        master, master_codec, reason = self._master(w, entry)
+        if reason is not None:
+            return self._fallback(reason)
+        keys = entry.state_keys(group)
         codecs = [self.engine.codec_of(w, k) for k in keys]
-        kinds = [state_kind(c) for c in codecs]
+        kinds = [c.kernel_form for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
-        if (kind == "schedule_free" and kinds[0] not in (FP32, BF16, FP24)) or \
-                (FP24 in kinds and kind != "schedule_free") or (kind == "schedule_free" and FP24 in kinds[1:]):
+        if not entry.allows(kinds):
             return self._fallback(f"codecs {codecs!r} for {keys} of {type(inner).__name__} (the iterate z takes "
                                   "fp32, bf16 or fp24, the moments no fp24)")
         # per state (moments, then the correction): in host memory (streamed through the staging
         # ring each step) or resident; a parameter may mix both (e.g. a host-tier correction)
         host = tuple(self.engine.tier_of(w, k) == "host" for k in keys + ((MASTER_KEY,) if master else ()))
         offload = any(host)
-        if offload:  # a parameter streams in row pieces: one row must fit a chunk (half the ring)
-            row = sum(c.nbytes(1, w.cols, torch.float32 if c.lossless else p.dtype) + 64
-                      for c, on_host in zip(codecs + ([master_codec] if master else []), host) if on_host)
-            if row > self.engine.placement.staging_size(p.device) // 2:
-                return self._fallback("one row of a parameter's state is larger than half the staging ring "
-                                      "(raise staging_bytes)")
-        present = [k for k in keys if w.state.get(k) is not None]
-        first = not present
-        if not first:
-            if len(present) != len(keys):
-                return None
-            for key, codec, kd, on_host in zip(keys, codecs, kinds, host):
-                value = w.state[key]
-                if on_host:
-                    if not (isinstance(value, EncodedTensor) and value.codec == codec and value.host_tier
-                            and value.device.type == "cpu" and value.payload_contiguous()):
-                        return None
-                elif kd == FP32:
-                    value = local(value)
-                    if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32
-                            and value.device == p.device and value.is_contiguous()):
-                        return None
-                elif not (isinstance(value, EncodedTensor) and value.codec == codec and not value.host_tier
-                          and value.device == p.device):
-                    return None
+        row = self._row_bytes(w, codecs + ([master_codec] if master else []), host) if offload else 0
+        if offload and row > self.engine.placement.staging_size(p.device) // 2:  # streamed rows: one fits a chunk
+            return self._fallback("one row of a parameter's state is larger than half the staging ring "
+                                  "(raise staging_bytes)")
+        first = all(w.state.get(k) is None for k in keys)
+        if not first and not self._stored_as_planned(w, keys, codecs, kinds, host):
+            return None
         if master and w.state.get(MASTER_KEY) is not None:
             value = w.state[MASTER_KEY]
             if not (isinstance(value, EncodedTensor) and value.codec == master_codec and value.host_tier == host[-1]
                     and value.device == (torch.device("cpu") if host[-1] else p.device) and value.payload_contiguous()):
                 return None
-        if not master and not allow_uncompressed and not offload and all(k == FP32 for k in kinds):
+        if not master and not allow_uncompressed and not offload and all(k == StateKind.FP32 for k in kinds):
             return None  # uncompressed: torch's own implementation (passthrough) is exact
-        return {"kind": kind, "keys": keys, "codecs": codecs, "kinds": kinds, "first": first, "offload": offload,
-                "host": host, "master": master, "master_codec": master_codec if master else None,
-                "torch_fused": self._torch_fused_math(group, p, kind, kinds, master, offload)}
+        return FusedPlan(entry, keys, tuple(codecs), tuple(kinds), first, offload, host, master,
+                         master_codec if master else None,
+                         entry.torch_fused(self.engine, group, p, kinds, master, offload))
 
-    def _torch_fused_math(self, group, p, kind, kinds, master, offload) -> bool:
-        """Whether the kernel steps this parameter with torch's fused CUDA Adam/AdamW arithmetic
-        (``kernels/adam.py: torch_fused_moments``), bit-identical to the unwrapped optimizer: its group
-        has ``fused=True``, the parameter and every state are fp32 and resident, and the decay is
-        decoupled (or zero; Adam's L2 decay is not reproduced bit for bit, so it stays with torch)."""
-        if kind != "adam" or not group.get("fused") or master or offload or p.dtype != torch.float32:
+    def _refusal(self, w, entry, group) -> Optional[str]:
+        """Why the kernel cannot take this parameter of ``group`` whatever its state, or None."""
+        p, inner = w.param, self.engine.inner
+        if group.get("differentiable"):
+            return "differentiable=True"
+        reason = entry.refusal(inner, group)
+        if reason is not None:
+            return reason
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and (lr.device != p.device or lr.numel() != 1 or lr.dtype != torch.float32):
+            return "a tensor lr that is not a float32 scalar on the parameter's device"
+        if p.dtype not in P_KINDS or p.is_complex():
+            return f"parameter dtype {p.dtype}"
+        if not p.is_contiguous() or not w.grad.is_contiguous() or w.grad.dtype != p.dtype:
+            return "a non-contiguous parameter or gradient, or a gradient of another dtype"
+        return None
+
+    def _master(self, w, entry) -> tuple:
+        """``(bits, correction codec, None)`` of the parameter's master weights (``(0, None, None)``:
+        none), or ``(0, None, reason)`` when the kernel cannot keep them."""
+        master_codec = self.engine.policy.master_codec(w.info)
+        if master_codec is None:
+            return 0, None, None
+        if not entry.master_weights or w.param.dtype != torch.bfloat16 or master_codec.name not in MASTER_BITS:
+            return 0, None, "master weights other than Adam/AdamW on bf16 parameters with a corr16/corr8 correction"
+        master_codec = self.engine.codec_of(w, MASTER_KEY)
+        master = MASTER_BITS.get(master_codec.name)
+        if master is None:
+            return 0, None, f"master-weight correction codec {master_codec!r} has no kernel"
+        return master, master_codec, None
+
+    @staticmethod
+    def _row_bytes(w, codecs, host) -> int:
+        """Bytes of one row of the parameter's host-tier states, as they stream."""
+        return sum(c.nbytes(1, w.cols, torch.float32 if c.lossless else w.param.dtype) + 64
+                   for c, on_host in zip(codecs, host) if on_host)
+
+    @staticmethod
+    def _stored_as_planned(w, keys, codecs, kinds, host) -> bool:
+        """Every state is stored in the form the kernel reads: its codec, tier and device."""
+        p = w.param
+        if any(w.state.get(k) is None for k in keys):
             return False
-        inner = self.engine.inner
-        if getattr(inner, "grad_scale", None) is not None or getattr(inner, "found_inf", None) is not None:
-            return False  # torch's own step unscales and skips with them
-        return all(k == FP32 for k in kinds) and (decoupled_decay(inner, group) or not group["weight_decay"])
+        for key, codec, kd, on_host in zip(keys, codecs, kinds, host):
+            value = w.state[key]
+            if on_host:
+                if not (isinstance(value, EncodedTensor) and value.codec == codec and value.host_tier
+                        and value.device.type == "cpu" and value.payload_contiguous()):
+                    return False
+            elif kd == StateKind.FP32:
+                value = local(value)
+                if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32
+                        and value.device == p.device and value.is_contiguous()):
+                    return False
+            elif not (isinstance(value, EncodedTensor) and value.codec == codec and not value.host_tier
+                      and value.device == p.device):
+                return False
+        return True
 
     def takes_uncompressed(self, w, beside: bool) -> Optional[dict]:
         """The plan of a parameter with uncompressed state if the kernels step it, else None (torch's
@@ -217,16 +195,15 @@ class FusedPath:
         if self.mode is False or not self._kernel_device(w.param):
             return None
         plan = self.plan(w, allow_uncompressed=True)
-        return plan if plan is not None and (beside or plan["torch_fused"]) else None
+        return plan if plan is not None and (beside or plan.torch_fused) else None
 
     # -- launch ------------------------------------------------------------------------------------------
-    def build(self, planned: List[Tuple[object, dict]]) -> List["Bucket"]:
+    def build(self, planned: List[Tuple[object, FusedPlan]]) -> List["Bucket"]:
         """Group planned parameters into launches; allocate state on a first step."""
         groups: Dict[tuple, list] = {}
         for w, plan in planned:
-            key = (w.info.group_index, plan["kind"], plan["first"], plan["host"], plan["master"], w.param.dtype,
-                   w.param.device,
-                   tuple(tuple(sorted(c.config().items())) for c in plan["codecs"]), aligned_layout(w.param))
+            key = (w.info.group_index, plan.kind, plan.first, plan.host, plan.master, w.param.dtype, w.param.device,
+                   tuple(tuple(sorted(c.config().items())) for c in plan.codecs), aligned_layout(w.param))
             groups.setdefault(key, []).append((w, plan))
         buckets = []
         split = [items[i:i + MAX_TENSORS - 1] for items in groups.values() for i in range(0, len(items), MAX_TENSORS - 1)]
@@ -286,12 +263,8 @@ class FusedPath:
     def _storage(self, w, plan):
         """The state tensors the kernel reads and writes (local shards); the master-weight
         correction last."""
-        out = [local(w.state[key]) for key in plan["keys"]]
-        if plan["master"]:
+        out = [local(w.state[key]) for key in plan.keys]
+        if plan.master:
             out.append(local(w.state[MASTER_KEY]))
-        if plan["kind"] == "adam":
-            step = w.state.get("step")
-            if not isinstance(step, torch.Tensor) or step.device != w.param.device or step.dtype != torch.float32:
-                w.state["step"] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step or 0))).to(
-                    w.param.device, torch.float32)
+        plan.optimizer.prepare(w)  # what the kernel reads beside the states (Adam's step tensor)
         return out

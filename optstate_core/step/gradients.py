@@ -13,7 +13,7 @@ from .work import Work, describe_param
 
 #: skip_nonfinite also skips a gradient this large: its square (Adam's second moment) overflows
 #: fp32 to inf, after which the parameter never moves again (torch) or its compressed state
-#: saturates and the next update explodes. The fused kernels (kernels/adam.py block_skip) and the passthrough skip use the same.
+#: saturates and the next update explodes. The fused kernels (kernels/common.py block_skip) and the passthrough skip use the same.
 GRAD_OVERFLOW = 2.0 ** 64
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from ..state.codecs.kinds import StateKind
 from .gradients import collect
 from .granularity import qualified_name
 
@@ -63,9 +64,9 @@ def plan_fused_step(engine) -> Optional[List]:
     planned = []
     for w in works:
         plan = engine.fused.plan(w) or engine.fused.takes_uncompressed(w, beside=True)
-        if plan is None or plan["offload"] or plan["kind"] != "schedule_free":
+        if plan is None or plan.offload or plan.kind != "schedule_free":
             return None
         planned.append((w, plan))
-    if not any(any(k != 0 for k in plan["kinds"]) for _, plan in planned):
+    if not any(any(k != StateKind.FP32 for k in plan.kinds) for _, plan in planned):
         return None  # nothing compressed: the optimizer's own step is exact and fast
     return engine.fused.build(planned)

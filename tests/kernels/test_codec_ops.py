@@ -9,9 +9,8 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from optstate_core.step.kernels import launch  # noqa: E402
-from optstate_core.step.kernels.adam import program_tile, tile_offsets  # noqa: E402
+from optstate_core.step.kernels.common import program_tile, tile_offsets  # noqa: E402
 from optstate_core.step.kernels.codec_ops import load_state, store_state  # noqa: E402
-from optstate_core.step.fused import state_kind  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NBLK = 2
@@ -154,7 +153,7 @@ def check_twin(codec, xs, nonnegative, clean=False):
     for o in outs:
         for t in o.payload.values():
             t.fill_(0x5A if t.dtype == torch.uint8 else 7.0)
-    kind = state_kind(codec)
+    kind = int(codec.kernel_form)
     cols, nbr, nblocks, prog_start, n_t, tpow2, n_prog = tables([x.shape for x in xs])
     dev = torch.device(DEVICE)
     data_key = "data" if kind == 1 else "codes"

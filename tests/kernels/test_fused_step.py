@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import optstate_core as oc
-from helpers import import_outcomes
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -291,12 +290,14 @@ def test_sgd_nonfinite_gradient_skips_its_block():
                                                  ("int8", ((2, 2, 1, 0), (4, 2, 2, 0)), ("int8", "int8"))])
 def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, codecs):
     """ITERS tiles per program (a loop in the kernel), or NBLK tiles side by side, give
-    bit-identical parameters and states."""
-    from optstate_core.step import fused_launch
+    bit-identical parameters and states (each shape set through the environment, which a wrap()
+    reads: every kind's shape, the ``kind`` the codecs pick among them)."""
+    from optstate_core.step.fused_launch import SHAPE_ENV
 
     out = []
     for shape in shapes:
-        monkeypatch.setitem(fused_launch.LAUNCH_SHAPES, kind, shape)
+        for name, value in zip(SHAPE_ENV, shape):
+            monkeypatch.setenv(name, str(value))
         ps = params()
         opt = build(ps, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), policy(*codecs), fused=True)
         for s in range(2):
@@ -311,13 +312,19 @@ def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, code
             assert all(torch.equal(a.payload[n], b.payload[n]) for n in a.payload)
 
 
-def test_bad_launch_shape_override_names_the_variable():
-    """A launch-shape environment override that is not a count fails at import, naming the variable."""
+def test_bad_launch_shape_override_names_the_variable(monkeypatch):
+    """A launch-shape environment override that is not a count fails at wrap(), naming the
+    variable; a valid one applies to optimizers wrapped after it is set (no new import)."""
     bad = [("OPTSTATE_ITERS", "0"), ("OPTSTATE_NBLK", "two"), ("OPTSTATE_MAXNREG", "-1")]
-    outcomes = import_outcomes("optstate_core.step.fused_launch", [{n: v} for n, v in bad] + [{"OPTSTATE_NBLK": "2"}])
-    assert len(outcomes) == len(bad) + 1 and outcomes[-1] is None  # a valid override imports
-    for (name, value), message in zip(bad, outcomes):
-        assert message is not None and f"{name} must be an integer" in message and repr(value) in message
+    for name, value in bad:
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            with pytest.raises(ValueError, match=f"{name} must be an integer") as failed:
+                build(params(), torch.optim.AdamW, dict(lr=1e-2), policy("int8", "int8"), fused=True)
+            assert repr(value) in str(failed.value)
+    monkeypatch.setenv("OPTSTATE_NBLK", "2")
+    opt = build(params(), torch.optim.AdamW, dict(lr=1e-2), policy("int8", "int8"), fused=True)
+    assert {shape[0] for shape in opt._engine.kernels.shapes.values()} == {2}
 
 
 def test_fallback_is_logged_once(caplog):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Union
 
 from .base import Codec, EncodedTensor, slab_shape
+from .kinds import StateKind
 from .correction import Correction8Codec, Correction16Codec
 from .float import BF16Codec, FP16Codec, FP32Codec, IdentityCodec
 from .fp24 import Float24Codec
@@ -50,4 +51,4 @@ def codec_from_config(config: dict) -> Codec:
 
 
 __all__ = ["Codec", "EncodedTensor", "slab_shape", "FP32Codec", "IdentityCodec", "BF16Codec", "FP16Codec",
-           "Int8Codec", "Int8MomentumCodec", "Int4Codec", "Float24Codec", "Correction16Codec", "Correction8Codec", "get_codec", "codec_from_config", "CODECS"]
+           "Int8Codec", "Int8MomentumCodec", "Int4Codec", "Float24Codec", "Correction16Codec", "Correction8Codec", "StateKind", "get_codec", "codec_from_config", "CODECS"]

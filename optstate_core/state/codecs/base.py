@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .kinds import StateKind
 from .rounding import RoundingContext
 
 Payload = Dict[str, torch.Tensor]
@@ -41,6 +42,8 @@ class Codec:
     granularity: int = 1  # tile column starts must be multiples of this
     lossless: bool = False
     stochastic_rounding: bool = False
+    #: how the fused kernels hold this state (None: they cannot; the state goes the reference path)
+    kernel_form: Optional[StateKind] = None
 
     # -- what subclasses implement -------------------------------------------------------
     def payload_layout(self, rows: int, cols: int, dtype: torch.dtype = torch.float32
@@ -55,6 +58,16 @@ class Codec:
     def decode_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
         """Decode payload views into the 2-D slab ``out`` (any float dtype) and return it."""
         raise NotImplementedError
+
+    # -- the fused kernels' view (``kernel_form``) -------------------------------------------
+    def kernel_constants(self) -> Tuple[int, float, int]:
+        """The kernels' (levels, 1 / power, integer power) of this codec (a 4-bit codebook's;
+        others take the defaults ``(2, 0.5, 0)``, which the kernels do not read)."""
+        return 2, 0.5, 0
+
+    def kernel_tables(self, device) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(levels, midpoints, decode table) the kernels read on ``device``; None: no tables."""
+        return None
 
     # -- shared machinery ------------------------------------------------------------------
     def specialize(self, nonnegative: bool) -> "Codec":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import Codec
+from .kinds import StateKind
 from .blocks import finite_absmax, pow2_scale, scale_blocks, to_blocks
 from .rounding import RoundingContext
 
@@ -13,6 +14,7 @@ class FP32Codec(Codec):
 
     name = "fp32"
     lossless = True
+    kernel_form = StateKind.FP32
 
     def payload_layout(self, rows, cols, dtype=torch.float32):
         return {"data": ((rows, cols), dtype, 1)}
@@ -41,6 +43,7 @@ class BF16Codec(Codec):
     """bfloat16 storage (fp32 range, 8-bit mantissa); optional stochastic rounding."""
 
     name = "bf16"
+    kernel_form = StateKind.BF16
 
     def __init__(self, stochastic_rounding: bool = False):
         self.stochastic_rounding = bool(stochastic_rounding)

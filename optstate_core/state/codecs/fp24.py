@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import Codec
+from .kinds import StateKind
 
 CORR_UNIT = 256  # the residual's unit: 8 of the 16 dropped bits are kept
 
@@ -20,6 +21,7 @@ class Float24Codec(Codec):
     """bf16 ``hi`` + int8 residual ``lo`` per element."""
 
     name = "fp24"
+    kernel_form = StateKind.FP24  # schedule-free's iterate only
 
     def payload_layout(self, rows, cols, dtype=torch.float32):
         return {"hi": ((rows, cols), torch.bfloat16, 1), "lo": ((rows, cols), torch.int8, 1)}

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from .base import Codec
+from .kinds import StateKind
 from .blocks import finite_absmax, scale_blocks, to_blocks
 
 
@@ -182,6 +183,17 @@ class Int4Codec(Codec):
     @property
     def is_signed(self) -> bool:
         return self.signed is not False
+
+    @property
+    def kernel_form(self) -> Optional[StateKind]:
+        """INT4 for blocks of 128 (the kernels' only 4-bit layout)."""
+        return StateKind.INT4 if self.block_size == 128 else None
+
+    def kernel_constants(self):
+        return len(self.levels), 1.0 / self.effective_power, self.integer_power
+
+    def kernel_tables(self, device):
+        return self.tables(device)
 
     def payload_layout(self, rows, cols, dtype=torch.float32):
         nb = -(-cols // self.block_size)

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .base import Codec
+from .kinds import StateKind
 from .blocks import finite_absmax, pow2_scale, scale_blocks, to_blocks
 
 
@@ -134,6 +135,11 @@ class Int8Codec(Codec):
         if nonnegative not in variants:
             variants[nonnegative] = type(self)(self.block_size, not nonnegative, self.stochastic_rounding, self.exp_bits)
         return variants[nonnegative]
+
+    @property
+    def kernel_form(self) -> Optional[StateKind]:
+        """INT8 for blocks of 256 with the default map (the kernels' only int8 layout)."""
+        return StateKind.INT8 if self.block_size == 256 and self.exp_bits is None else None
 
     def payload_layout(self, rows, cols, dtype=torch.float32):
         nb = -(-cols // self.block_size)

@@ -18,11 +18,13 @@ thread holds the two bytes of its four elements: codes unpack and pack in regist
 import triton
 import triton.language as tl
 
-# state kinds (constexpr); the Python side maps codecs to these in optstate_core/step/fused.py
-FP32 = tl.constexpr(0)
-BF16 = tl.constexpr(1)
-INT8 = tl.constexpr(2)
-INT4 = tl.constexpr(3)
+from ...state.codecs.kinds import StateKind
+
+# state kinds as the kernels' constexprs, from the one enum (a codec's ``kernel_form`` says which it has)
+FP32 = tl.constexpr(int(StateKind.FP32))
+BF16 = tl.constexpr(int(StateKind.BF16))
+INT8 = tl.constexpr(int(StateKind.INT8))
+INT4 = tl.constexpr(int(StateKind.INT4))
 TILE = tl.constexpr(256)
 
 

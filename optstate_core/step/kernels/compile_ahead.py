@@ -18,7 +18,7 @@ loads each (``CompiledKernel._init_handles``: the module loaded into the CUDA co
 3.6, the launcher built, a C module gcc compiles per variant; otherwise the first launch does both);
 a launch that needs a variant still compiling waits for it instead of compiling it twice. Only on
 CUDA, not under ``TRITON_INTERPRET=1``. ``OPTSTATE_COMPILE_AHEAD=0`` turns it off. With the update
-kernels compiled for any tensor count (``kernels/adam.py: UNSPECIALIZED``) the 8B recipe's first
+kernels compiled for any tensor count (``kernels/common.py: UNSPECIALIZED``) the 8B recipe's first
 step compiles one update-kernel variant, 3.7 s with Triton's cache empty (section 34).
 """
 from __future__ import annotations

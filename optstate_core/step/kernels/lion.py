@@ -7,9 +7,9 @@ The products with ``1 - beta`` are fused multiply-adds, as torch's ``add(other, 
 import triton
 import triton.language as tl
 
-from .adam import (UNSPECIALIZED, block_skip, load_param_grad, load_step_mix, per_block, program_tile, scale_grad,
-                   sr_indices, state_key, store_param, tile_offsets)
 from .codec_ops import load_state, store_state
+from .common import (UNSPECIALIZED, block_skip, load_param_grad, load_step_mix, per_block, program_tile, scale_grad,
+                     sr_indices, state_key, store_param, tile_offsets)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED)

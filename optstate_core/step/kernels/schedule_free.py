@@ -13,11 +13,12 @@ First step: ``z = y``, ``v = 0`` (the optimizer's own initialisation).
 import triton
 import triton.language as tl
 
-from .adam import (UNSPECIALIZED, block_skip, load_master, load_param_grad, load_step_mix, per_block, program_tile,
-                   scale_grad, sr_indices, state_key, store_master, store_param, tile_offsets)
+from ...state.codecs.kinds import StateKind
 from .codec_ops import load_state, store_state
+from .common import (UNSPECIALIZED, block_skip, load_master, load_param_grad, load_step_mix, per_block, program_tile,
+                     scale_grad, sr_indices, state_key, store_master, store_param, tile_offsets)
 
-FP24 = tl.constexpr(4)  # the iterate's kind beside codec_ops' FP32/BF16 (bf16 + int8 residual, see state/codecs/fp24.py)
+FP24 = tl.constexpr(int(StateKind.FP24))  # the iterate as bf16 + int8 residual (state/codecs/fp24.py)
 
 
 @triton.jit
