@@ -136,7 +136,6 @@ class GradientRelease:
                 "optimizer.set_step_boundary(False) before each backward that does not end in a step and "
                 "set_step_boundary(True) before the last one (the integrations do it for you; Lightning Fabric "
                 "and plain loops: docs/lightning.md#fabric)")
-        self._released_ids.add(id(param))
         if not self._pending:  # the first of this backward: the rest goes when backward ends
             wake_for_update(self.engine, "a gradient released in backward")
             if self.deferred_check:  # still plain parameters under several processes (DDP): refused here
@@ -147,6 +146,7 @@ class GradientRelease:
             except RuntimeError:  # called outside a backward (by hand): step() flushes
                 pass
         grad = local(param.grad)
+        self._released_ids.add(id(param))
         self._pending.append((param, info))
         self._pending_bytes += grad.numel() * grad.element_size()
         self.released += 1
