@@ -310,7 +310,8 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         """Tell the engine whether the coming backward ends in an optimizer step (the last
         micro-batch of a gradient-accumulation window) or not. Backward-time prefetch of
         offloaded state only runs before a step (left at True, every micro-batch's backward
-        may stage state, which then stays on the device until the step). Integrations call this for you."""
+        may stage state, which then stays on the device until the step). Required for accumulation with
+        ``release_gradients=True`` (a second backward before ``step()`` raises). Integrations call this for you."""
         self._engine.boundary.set(bool(will_step))
 
     @property

@@ -31,11 +31,14 @@ def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = No
 def unwrap(optimizer, depth: int = 8) -> Optional[VirtualOptimizer]:
     """The :class:`VirtualOptimizer` inside a framework's optimizer (``optimizer`` itself, or the
     one a wrapper keeps as ``.optimizer``: Accelerate's ``AcceleratedOptimizer``, Lightning's,
-    DeepSpeed's, up to ``depth`` wrappers deep), or None."""
+    DeepSpeed's, up to ``depth`` wrappers deep), or None. A wrapper that imitates its optimizer's
+    class (Lightning Fabric's ``_FabricOptimizer``, Lightning's ``LightningOptimizer``) is an
+    instance of it too: the one it keeps as ``.optimizer`` is returned, not the shell."""
     for _ in range(depth):
-        if isinstance(optimizer, VirtualOptimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, VirtualOptimizer) and not isinstance(inner, VirtualOptimizer):
             return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
+        optimizer = inner
     return None
 
 

@@ -111,6 +111,7 @@ class GradientRelease:
         self._partial = False  # a batch of this step was updated before backward ended
         self._exact_norm: Optional[torch.Tensor] = None  # this step's global norm, when one batch held it all
         self.released = 0  # parameters updated in backward this step
+        self._released_ids = set()  # ids of those: a second backward before step() must not update them again
         self._order = []  # this step's batches (ids of their parameters), in update order
         self._last_order = []  # the previous step's: predicts which batch comes next (stage_next)
         self._staged_to = 0  # positions of _last_order below this were staged (or passed) this step
@@ -128,6 +129,13 @@ class GradientRelease:
         info = self._info_of(param)
         if info is None:
             return
+        if id(param) in self._released_ids:
+            raise RuntimeError(
+                "optstate: release_gradients=True and a second backward before step(): this parameter was "
+                "already updated with the previous backward's gradient. With gradient accumulation call "
+                "optimizer.set_step_boundary(False) before each backward that does not end in a step and "
+                "set_step_boundary(True) before the last one (the integrations do it for you; Lightning Fabric "
+                "and plain loops: docs/lightning.md#fabric)")
         if not self._pending:  # the first of this backward: the rest goes when backward ends
             wake_for_update(self.engine, "a gradient released in backward")
             if self.deferred_check:  # still plain parameters under several processes (DDP): refused here
@@ -138,6 +146,7 @@ class GradientRelease:
             except RuntimeError:  # called outside a backward (by hand): step() flushes
                 pass
         grad = local(param.grad)
+        self._released_ids.add(id(param))
         self._pending.append((param, info))
         self._pending_bytes += grad.numel() * grad.element_size()
         self.released += 1
@@ -389,10 +398,16 @@ class GradientRelease:
             self.last_grad_norm = torch.where(torch.isfinite(norm), norm, keep.to(norm.device))
             self._set_scale()
         self._norms, self._exact_norm, self._partial = [], None, False
-        self.released = 0
+        self.new_window()
         if self._order:
             self._last_order, self._order, self._staged_to = self._order, [], 0
             self.engine.schedule.staged_ahead = self.stage_next()  # the next step's first batch
+
+    def new_window(self) -> None:
+        """A step (or ``zero_grad()`` after a backward that did not step) ends the window: the next
+        boundary backward releases every parameter again."""
+        self.released = 0
+        self._released_ids.clear()
 
 
 def _norms_fp32(grads):

@@ -219,6 +219,8 @@ class StepSchedule:
         that gradient release staged at the end of the step (for the next backward) is kept."""
         if not self.staged_ahead:
             self.drop_prefetch()
+        if self.release is not None:
+            self.release.new_window()
 
     def end_step(self, metrics, transfers) -> None:
         """After a step: per-phase byte counts into the metrics; copies not consumed discarded."""
