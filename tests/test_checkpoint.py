@@ -11,7 +11,7 @@ PRESETS = {
     "fp32": lambda: oc.make_policy("fp32"),
     "bf16-sr": lambda: oc.make_policy("bf16", momentum_codec=oc.get_codec("bf16", stochastic_rounding=True)),
     "8bit-sr": lambda: oc.make_policy("8bit", variance_codec=oc.get_codec("int8", stochastic_rounding=True)),
-    "4bit": lambda: oc.make_policy("4bit", min_int8_elements=0),
+    "4bit": lambda: oc.make_policy("4bit", min_int8_elements=0, whole_blocks_1d=False),
     "offload": lambda: oc.make_policy("offload"),
     "warmup": lambda: oc.WarmupPolicy(warmup_steps=4, variance_codec="int8"),
     "adaptive": lambda: oc.AdaptiveWarmupPolicy(warmup_steps=50, patience=2, tol=0.5, variance_codec="int4"),

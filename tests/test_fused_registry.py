@@ -65,7 +65,8 @@ def _work(opt):
 def _wrapped(cls, **kw):
     ps = [torch.nn.Parameter(torch.randn(4, 256, device=DEVICE))]
     ps[0].grad = torch.randn(4, 256, device=DEVICE)
-    policy = oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", variance_codec="int8", min_int8_elements=0)
+    policy = oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", variance_codec="int8", min_int8_elements=0,
+                             whole_blocks_1d=False)
     return oc.wrap(cls(ps, **kw), policy, fused=True)
 
 

@@ -33,8 +33,9 @@ def set_grads(ps, step):
 
 def policy(preset):
     if preset == "8bit-sr":  # stochastic rounding: counters must follow elements across row pieces
-        return oc.make_policy("8bit", min_int8_elements=0, momentum_codec=oc.Int8Codec(stochastic_rounding=True))
-    return oc.make_policy(preset, min_int8_elements=0)
+        return oc.make_policy("8bit", min_int8_elements=0,
+                              whole_blocks_1d=False, momentum_codec=oc.Int8Codec(stochastic_rounding=True))
+    return oc.make_policy(preset, min_int8_elements=0, whole_blocks_1d=False)
 
 
 def run(fused, steps=4, preset="8bit", shapes=SHAPES, **options):
@@ -146,7 +147,8 @@ def test_checkpoint_in_every_mode(mode):
     with torch.no_grad():
         for a, b in zip(ps2, run(True, steps=3, **options)[0]):
             a.copy_(b)
-    opt2 = oc.wrap(torch.optim.AdamW(ps2, lr=1e-2), oc.make_policy("8bit", min_int8_elements=0), fused=True,
+    opt2 = oc.wrap(torch.optim.AdamW(ps2, lr=1e-2), oc.make_policy("8bit", min_int8_elements=0,
+                                                                   whole_blocks_1d=False), fused=True,
                    **MODES["resident"])
     opt2.load_state_dict(sd)
     set_grads(ps2, 3)
@@ -160,7 +162,7 @@ def test_prefetch_during_backward_only_on_steps():
     twin = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.Tanh(), torch.nn.Linear(32, 256))
     twin.load_state_dict(model.state_dict())
     model, twin = model.to(FUSED_DEVICE), twin.to(FUSED_DEVICE)
-    policy = lambda: oc.make_policy("8bit", min_int8_elements=0)  # noqa: E731
+    policy = lambda: oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False)  # noqa: E731
     opt = oc.wrap(torch.optim.AdamW(model.parameters()), policy(), fused=True, offload=True,
                   staging_bytes="1MB", prefetch_budget="auto")
     ref = oc.wrap(torch.optim.AdamW(twin.parameters()), policy(), fused=True, offload=True, staging_bytes="1MB",
@@ -221,7 +223,8 @@ def _master_weight_run(budget=None, steps=4):
     model = torch.nn.Sequential(torch.nn.Linear(256, 16), torch.nn.Tanh(), torch.nn.Linear(16, 256)).to(FUSED_DEVICE)
     oc.cast_model(model)  # bf16 weights; the correction is seeded with the bits they dropped
     options = {} if budget is None else dict(offload=True, staging_bytes="16KB", prefetch_budget=budget)
-    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), oc.make_policy("bf16w-8bit", min_int8_elements=0),
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), oc.make_policy("bf16w-8bit", min_int8_elements=0,
+                                                                                 whole_blocks_1d=False),
                   fused=True, **options)
     if budget is not None:  # stale bytes where the first step's state streams
         opt._engine.schedule.ring(torch.device(FUSED_DEVICE)).buffer.fill_(0x7F)

@@ -41,7 +41,7 @@ def make_model(seed=0):
 
 
 def make_opt(model, **options):
-    policy = oc.make_policy("8bit", min_int8_elements=0)
+    policy = oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False)
     return oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), policy, fused=True, **options)
 
 

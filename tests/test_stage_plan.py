@@ -20,7 +20,8 @@ SHAPES = [(8, 256), (256,), (12, 256), (4, 512)]
 def make(offload, seed=0, **options):
     gen = torch.Generator().manual_seed(seed)
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in SHAPES]
-    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), oc.make_policy("8bit", min_int8_elements=0), fused=True,
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), oc.make_policy("8bit", min_int8_elements=0,
+                                                                 whole_blocks_1d=False), fused=True,
                   offload=offload, **options)
     return ps, opt
 

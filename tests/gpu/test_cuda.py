@@ -29,7 +29,8 @@ def setup(preset, lr=1e-3, **kw):
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-2
-    opt = oc.wrap(torch.optim.AdamW(ps, lr=lr), oc.make_policy(preset, min_int8_elements=0), **kw)
+    opt = oc.wrap(torch.optim.AdamW(ps, lr=lr), oc.make_policy(preset, min_int8_elements=0,
+                                                               whole_blocks_1d=False), **kw)
     return ps, opt
 
 

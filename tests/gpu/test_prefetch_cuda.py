@@ -20,7 +20,8 @@ def make_model(seed=0):
 
 
 def make_opt(model, **options):
-    return oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), oc.make_policy("8bit", min_int8_elements=0),
+    return oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), oc.make_policy("8bit", min_int8_elements=0,
+                                                                                  whole_blocks_1d=False),
                    offload=True, staging_bytes="8MB", **options)
 
 

@@ -23,7 +23,7 @@ def build(fabric, seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(N_IN, 64), torch.nn.GELU(), torch.nn.Linear(64, N_OUT))
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-                  oc.make_policy("8bit", min_int8_elements=0))
+                  oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False))
     return fabric.setup(model, opt)
 
 

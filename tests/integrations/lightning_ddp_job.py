@@ -15,7 +15,7 @@ PATIENCE, TOL = 2, 0.05
 
 def main(out_dir: str) -> None:
     policy = oc.AdaptiveWarmupPolicy(warmup_steps=10_000, patience=PATIENCE, tol=TOL, momentum_codec="int8",
-                                     variance_codec="int8", min_int8_elements=0)
+                                     variance_codec="int8", min_int8_elements=0, whole_blocks_1d=False)
     model = Regressor(lr=1e-2, out_dir=out_dir)
     tr = trainer(strategy="optstate_ddp", devices=2, accumulate_grad_batches=2, max_epochs=3,
                  callbacks=[OptStateCallback(policy=policy)])  # the strategy uses the Trainer's callback

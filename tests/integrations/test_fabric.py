@@ -67,7 +67,7 @@ def test_the_virtual_optimizer_survives_fabric_setup():
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = net()
     vopt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-                   oc.make_policy("8bit", min_int8_elements=0))
+                   oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False))
     fmodel, fopt = fabric.setup(model, vopt)
     assert type(fopt).__name__ == "FabricVirtualOptimizer" and isinstance(fopt, oc.VirtualOptimizer)
     assert fopt.optimizer is vopt and oc.unwrap(fopt) is vopt
@@ -93,7 +93,7 @@ def test_the_virtual_optimizer_survives_fabric_setup():
     # the same four steps without Fabric, then both continue from a state_dict round trip
     plain_model = net()
     plain = oc.wrap(torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1),
-                    oc.make_policy("8bit", min_int8_elements=0))
+                    oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False))
     plain_sched = torch.optim.lr_scheduler.StepLR(plain, step_size=2, gamma=0.5)
     for x, y in data[:4]:
         plain.zero_grad()

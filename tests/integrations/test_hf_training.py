@@ -136,7 +136,8 @@ def test_fp16_grad_scaler_unscales_exactly_once(tmp_path, max_grad_norm):
 def test_fp16_grad_scaler_with_int8_state_learns(tmp_path):
     trainer, norms = fp16_run(tmp_path, "optstate_adamw", "min_int8_elements=0", 1.0)
     opt = optstate_hf.find_virtual_optimizer(trainer.optimizer)
-    assert opt.step_count == 4 and set(opt.memory_report()["by_codec"]) == {"int8"}
+    # every tensor int8 but the 1-D ones that are not whole 256-blocks
+    assert opt.step_count == 4 and set(opt.memory_report()["by_codec"]) == {"int8", "fp32"}
     assert trainer.accelerator.scaler.unscale_calls == 4
     assert losses(trainer)[-1] < losses(trainer)[0] and max(norms) < 50
     assert isinstance(opt, oc.VirtualOptimizer) and not hasattr(opt, "_step_supports_amp_scaling")

@@ -291,7 +291,7 @@ def test_adaptive_policy_gets_window_mean_loss():
 
 # -- strategies by name -----------------------------------------------------------------------------
 def test_name_rules_see_module_parameter_names():
-    policy = oc.make_policy("8bit", min_int8_elements=0, rules={r"^net\.0\.": "fp32"})
+    policy = oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False, rules={r"^net\.0\.": "fp32"})
     tr = trainer(callbacks=[OptStateCallback(policy=policy)])
     model = Regressor()
     tr.fit(model, loader())

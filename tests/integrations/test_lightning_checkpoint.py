@@ -19,10 +19,10 @@ def encoded_values(opt):
 
 POLICIES = {
     # everything compressed to int8 (small tensors too)
-    "int8": lambda: oc.make_policy("8bit", min_int8_elements=0),
+    "int8": lambda: oc.make_policy("8bit", min_int8_elements=0, whole_blocks_1d=False),
     # switches on a plateau during the first epoch: the phase must ride in the checkpoint
     "adaptive": lambda: oc.AdaptiveWarmupPolicy(warmup_steps=1000, patience=2, tol=0.3, momentum_codec="int8",
-                                                variance_codec="int4", min_int8_elements=0),
+                                                variance_codec="int4", min_int8_elements=0, whole_blocks_1d=False),
 }
 
 
@@ -79,7 +79,7 @@ def test_offloaded_state_stays_on_host_through_lightning_moves(tmp_path):
     (and to CPU at teardown). Host-tier payloads must stay in host memory. On CPU the root device
     is the CPU, so the move to an accelerator is exercised with the 'meta' device; the real
     GPU case needs a GPU."""
-    policy = oc.make_policy("offload", min_int8_elements=0)
+    policy = oc.make_policy("offload", min_int8_elements=0, whole_blocks_1d=False)
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     trainer(callbacks=[OptStateCallback(policy=policy), ckpt_cb], max_epochs=1,
             enable_checkpointing=True).fit(Regressor(), loader())

@@ -117,8 +117,9 @@ def test_the_documented_yaml_configs_train_with_optstate(tmp_path):
         assert run["optim"] in optstate_hf_names.OPTIM_NAMES
         assert run["virtual"] and run["steps"] == 2 and len(run["losses"]) == 2 and run["finite"], (tool, run)
         assert run["optim_args"] == expected_args[tool], (tool, run)
-        if "min_int8_elements=0" in expected_args[tool]:  # it reached the optimizer: small tensors compressed too
-            assert "fp32" not in run["codecs"], (tool, run)
+        if "min_int8_elements=0" in expected_args[tool]:  # it reached the optimizer: the tiny model's tensors
+            # (all under 4096 elements) are compressed, but for its 1-D norms of 32 (not whole 256-blocks: fp32)
+            assert run["codecs"][0] == "fp32" and run["codecs"][1:] in (["int4"], ["int8"]), (tool, run)
 
 
 # Substrings of the optimizer name that Axolotl's config validation tests (axolotl 0.19.0,

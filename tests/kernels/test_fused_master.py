@@ -37,7 +37,7 @@ def masters(opt, ps):
 @pytest.mark.parametrize("preset,moments", [("bf16w-8bit", "fp32"), ("bf16w-8bit", None),
                                             ("bf16w-4bit-lean", None)])
 def test_master_weight_kernel_matches_reference(preset, moments):
-    overrides = dict(min_int8_elements=0)
+    overrides = dict(min_int8_elements=0, whole_blocks_1d=False)
     if moments:
         overrides.update(momentum_codec=moments, variance_codec=moments)
     ref_m, m = model(), model()

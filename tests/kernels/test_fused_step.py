@@ -32,7 +32,8 @@ def set_grads(ps, seed):
 
 
 def policy(m, v):
-    return oc.WarmupPolicy(warmup_steps=0, momentum_codec=m, variance_codec=v, min_int8_elements=0)
+    return oc.WarmupPolicy(warmup_steps=0, momentum_codec=m, variance_codec=v, min_int8_elements=0,
+                           whole_blocks_1d=False)
 
 
 def build(ps, cls, kw, pol, fused, **options):
@@ -112,7 +113,8 @@ def test_first_step_matches_reference():
                          ids=["momentum", "nesterov-wd", "dampening-maximize"])
 @pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
 def test_sgd_matches_reference(kw, codec):
-    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0)  # noqa: E731
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0,
+                                  whole_blocks_1d=False)  # noqa: E731
     run_pair(torch.optim.SGD, kw, pol)
     run_pair(torch.optim.SGD, kw, pol, steps_before=0)
 
@@ -270,7 +272,8 @@ def test_nonfinite_skips_count_each_parameter_once_per_step():
 
 def test_sgd_nonfinite_gradient_skips_its_block():
     ps, qs = params(), params()
-    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", min_int8_elements=0)  # noqa: E731
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec="int8", min_int8_elements=0,
+                                  whole_blocks_1d=False)  # noqa: E731
     ref, opt = (build(x, torch.optim.SGD, dict(lr=0.1, momentum=0.9), pol(), fused=True) for x in (ps, qs))
     poison_second_step(ps, ref, qs, opt, (5, 300), float("nan"))
     before, buf = qs[0].detach().clone(), opt.state[qs[0]]["momentum_buffer"].decode()
@@ -368,7 +371,8 @@ def test_small_launches_loop_less_to_fill_the_gpu(monkeypatch):
 def test_lion_matches_reference(kw, codec):
     """lion-pytorch's Lion: the fused kernel against decode -> Lion -> encode, first step and later."""
     lion = pytest.importorskip("lion_pytorch").Lion
-    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0)  # noqa: E731
+    pol = lambda: oc.WarmupPolicy(warmup_steps=0, momentum_codec=codec, min_int8_elements=0,
+                                  whole_blocks_1d=False)  # noqa: E731
     run_pair(lion, kw, pol)
     run_pair(lion, kw, pol, steps_before=0)
 
@@ -380,7 +384,8 @@ def _schedule_free_pair(v_codec, z_codec, steps, warmup_steps=2, weight_decay=0.
     runs = []
     for fused in (False, True):
         ps = params()
-        pol = oc.WarmupPolicy(warmup_steps=0, variance_codec=v_codec, iterate_codec=z_codec, min_int8_elements=0)
+        pol = oc.WarmupPolicy(warmup_steps=0, variance_codec=v_codec, iterate_codec=z_codec, min_int8_elements=0,
+                              whole_blocks_1d=False)
         opt = oc.wrap(sf(ps, lr=1e-2, warmup_steps=warmup_steps, weight_decay=weight_decay), pol, fused=fused)
         opt.train()
         for s in range(steps):
