@@ -268,6 +268,34 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         gr = self._engine.gradient_release
         gr.max_grad_norm, _ = check_clip_options(value, gr.clip_mode, gr.release)
 
+    def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
+                           check_only: bool = False) -> bool:
+        """A framework's gradient clipping, handed to this optimizer: with gradient release the
+        framework's clipping after backward would see no gradient, so the optimizer clips at
+        ``max_norm`` instead and this returns True (the framework must turn its own off). Another
+        ``norm_type``, or another norm set here already, raises a ``ValueError`` naming ``source``
+        (the framework's setting) and changes nothing; ``check_only``: only check. Without release
+        it returns False and changes nothing: the framework clips as usual."""
+        gr = self._engine.gradient_release
+        if not gr.release or max_norm is None:
+            return False
+        if float(norm_type) != 2.0:
+            raise ValueError(f"{source}: norm_type={norm_type} cannot be applied with release_gradients=True "
+                             "(gradients are applied and freed in backward); the optimizer clips 2-norms")
+        if gr.max_grad_norm is not None and gr.max_grad_norm != max_norm:
+            raise ValueError(f"{source}={max_norm} but the optimizer (release_gradients=True) clips at "
+                             f"max_grad_norm={gr.max_grad_norm}; set one of them")
+        norm, _ = check_clip_options(max_norm, gr.clip_mode, gr.release)  # validates, names max_grad_norm
+        if not check_only:
+            gr.max_grad_norm = norm
+        return True
+
+    @property
+    def grad_norm_so_far(self) -> Optional[torch.Tensor]:
+        """With gradient release: the global 2-norm of this step's gradients released so far
+        (before clipping); None when nothing computed it."""
+        return self._engine.gradient_release.norm_so_far()
+
     @property
     def clip_mode(self) -> str:
         return self._engine.gradient_release.clip_mode

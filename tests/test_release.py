@@ -6,6 +6,7 @@ import torch
 
 import optstate_core as oc
 from optstate_core.state.master_weights import cast_model
+from helpers import mlp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -294,3 +295,21 @@ def test_release_and_clip_options_are_validated():
         opt.max_grad_norm = 0
     opt.max_grad_norm = 1.0
     assert opt.max_grad_norm == 1.0 and opt.clip_mode == "auto" and opt.release_gradients
+
+
+def test_a_framework_hands_its_clipping_over_through_one_method():
+    """take_over_clipping: the seam the HF, Lightning and Accelerate adapters use. Without release
+    the framework keeps clipping; with it the optimizer takes the norm, and a conflicting norm or
+    norm type is refused by name, changing nothing."""
+    plain = oc.wrap(torch.optim.AdamW(mlp().parameters()), "fp32")
+    assert plain.take_over_clipping(1.0) is False and plain.max_grad_norm is None
+    released = oc.wrap(torch.optim.AdamW(mlp().parameters()), "fp32", release_gradients=True)
+    assert released.take_over_clipping(1.0, check_only=True) and released.max_grad_norm is None
+    assert released.take_over_clipping(1.0) and released.max_grad_norm == 1.0
+    with pytest.raises(ValueError, match="gradient_clip_val=2.0"):
+        released.take_over_clipping(2.0, source="gradient_clip_val")
+    with pytest.raises(ValueError, match="norm_type"):
+        released.take_over_clipping(1.0, norm_type=1)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        oc.wrap(torch.optim.AdamW(mlp().parameters()), "fp32", release_gradients=True).take_over_clipping(-1.0)
+    assert released.max_grad_norm == 1.0 and released.grad_norm_so_far is None

@@ -76,7 +76,7 @@ class Attachment:
                              f"optstate_accelerate.attach(accelerator, optimizer, max_grad_norm={max_norm}) or "
                              f"optstate_core.wrap(..., max_grad_norm={max_norm}) (the optimizer clips at "
                              f"{opt.max_grad_norm})")
-        norm = opt._engine.gradient_release.norm_so_far()
+        norm = opt.grad_norm_so_far
         return norm if norm is not None else torch.zeros(())
 
     def _after_step(self, optimizer, args, kwargs) -> None:

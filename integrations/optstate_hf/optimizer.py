@@ -115,10 +115,7 @@ def route_max_grad_norm(args, optimizer=None):
     if norm is None or norm <= 0:
         return None
     if optimizer is not None:
-        if optimizer.max_grad_norm is not None and optimizer.max_grad_norm != norm:
-            raise ValueError(f"max_grad_norm: the Trainer clips at {norm} but the optimizer (release_gradients=True) "
-                             f"at {optimizer.max_grad_norm}; set one of them")
-        optimizer.max_grad_norm = norm
+        optimizer.take_over_clipping(norm, source="max_grad_norm (TrainingArguments)")
     args.max_grad_norm = 0.0
     log.info("optstate: gradients are released in backward; the Trainer's max_grad_norm=%s is applied by the "
              "optimizer (clip_mode=%s) and the Trainer's own clipping is off", norm,

@@ -125,12 +125,9 @@ class CallbackLogic:
             raise ValueError(f"gradient_clip_algorithm={algorithm!r} cannot be applied with release_gradients=True "
                              "(gradients are applied and freed in backward); use gradient_clip_algorithm='norm', "
                              "which the optimizer applies (clip_mode previous or per_tensor)")
-        for opt in releasing:
-            if opt.max_grad_norm is not None and opt.max_grad_norm != clip_val:
-                raise ValueError(f"gradient_clip_val={clip_val} but the optimizer (release_gradients=True) clips at "
-                                 f"max_grad_norm={opt.max_grad_norm}; set one of them")
-        for opt in releasing:
-            opt.max_grad_norm = float(clip_val)
+        for check_only in (True, False):  # every optimizer checked before any takes it
+            for opt in releasing:
+                opt.take_over_clipping(float(clip_val), source="gradient_clip_val", check_only=check_only)
         trainer.gradient_clip_val = None
         log.info("optstate: gradients are released in backward; gradient_clip_val=%s is applied by the optimizer "
                  "and Lightning's own clipping is off", clip_val)
