@@ -2,15 +2,17 @@
 
 Usage (from a checkout, on a GPU; liger-kernel installed for ``liger``)::
 
-    PYTHONPATH=.:integrations python tools/auto_gpu.py LOSS CAP_GB MICRO_BATCH [SHAPE]
+    PYTHONPATH=.:integrations python tools/auto_gpu.py LOSS CAP_GB MICRO_BATCH [SHAPE [STEPS]]
     for c in "liger 24 1" "chunked 24 1" "plain 24 1" "liger 24 4"; do python tools/auto_gpu.py $c; done
 
 It builds a Llama shape (default ``8b``, random weights, bf16, activation checkpointing), caps this
-process's GPU memory at CAP_GB (1e9 bytes, ``set_per_process_memory_fraction``), and trains 4 steps of
+process's GPU memory at CAP_GB (1e9 bytes, ``set_per_process_memory_fraction``), and trains STEPS (4) steps of
 MICRO_BATCH x 2048 tokens through the HF Trainer with ``optim="optstate_adamw_auto"``. LOSS is
 ``plain`` (the model's own loss: logits), ``chunked`` (``use_chunked_loss``) or ``liger``
 (``use_liger_kernel=True``). It prints one JSON line: auto's log line (the choice and its expected
-peak), the measured peak (``max_memory_allocated``), OOM or not, and the losses.
+peak), the measured peak (``max_memory_allocated``), OOM or not, the losses, and the mean seconds per step from the third
+step to the last (``step_s``: wall clock, the device synchronised at the window's two ends, as
+examples/finetune_8b_24gb.py times its window) with the tokens/s it gives.
 """
 import json
 import logging
@@ -28,12 +30,27 @@ sys.path[:0] = [str(ROOT), str(ROOT / "integrations")]
 SEQ = 2048
 
 
-def main(loss: str, cap_gb: float, micro_batch: int, shape: str = "8b") -> dict:
+def main(loss: str, cap_gb: float, micro_batch: int, shape: str = "8b", steps: int = 4) -> dict:
     import optstate_hf  # noqa: F401  (registers the names)
     import optstate_core as oc
     from optstate_core.apps.chunked_loss import use_chunked_loss
     from optstate_core.apps.llama import NAMED_SHAPES, build_model
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    window = {}
+
+    class WindowTimer(TrainerCallback):
+        """Wall clock over steps 3..last, synchronised at the two ends only."""
+
+        def on_step_begin(self, a, state, control, **kw):
+            if state.global_step == 2:
+                torch.cuda.synchronize()
+                window["t0"] = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step == steps and "t0" in window:
+                torch.cuda.synchronize()
+                window["step_s"] = (time.perf_counter() - window["t0"]) / (steps - 2)
 
     torch.cuda.set_per_process_memory_fraction(cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
     lines = []
@@ -45,12 +62,13 @@ def main(loss: str, cap_gb: float, micro_batch: int, shape: str = "8b") -> dict:
     model.config.max_position_embeddings = SEQ  # the sequence length auto plans for
     if loss == "chunked":
         use_chunked_loss(model)
-    ids = torch.randint(0, 2048, (4 * micro_batch, SEQ), generator=torch.Generator().manual_seed(0))
-    args = TrainingArguments(output_dir="/tmp/auto_gpu", optim="optstate_adamw_auto", max_steps=4,
+    ids = torch.randint(0, 2048, (steps * micro_batch, SEQ), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir="/tmp/auto_gpu", optim="optstate_adamw_auto", max_steps=steps,
                              per_device_train_batch_size=micro_batch, learning_rate=1e-5, max_grad_norm=1.0,
                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
                              disable_tqdm=True, use_liger_kernel=loss == "liger", dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r.clone()} for r in ids])
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r.clone()} for r in ids],
+                      callbacks=[WindowTimer()])
     torch.cuda.reset_peak_memory_stats()
     started, status = time.perf_counter(), "ok"
     try:
@@ -60,11 +78,13 @@ def main(loss: str, cap_gb: float, micro_batch: int, shape: str = "8b") -> dict:
     opt = oc.unwrap(trainer.optimizer)
     return {"case": [loss, cap_gb, micro_batch, shape], "status": status, "auto": lines,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "s": round(time.perf_counter() - started, 1),
-            "release": getattr(opt, "release_gradients", None),
+            "release": getattr(opt, "release_gradients", None), "step_s": window.get("step_s"),
+            "tokens_per_s": micro_batch * SEQ / window["step_s"] if window.get("step_s") else None,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (4, 5) or sys.argv[1] not in ("plain", "chunked", "liger"):
+    if len(sys.argv) not in (4, 5, 6) or sys.argv[1] not in ("plain", "chunked", "liger"):
         sys.exit(__doc__)
-    print(json.dumps(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])), flush=True)
+    extra = sys.argv[4:5] + [int(a) for a in sys.argv[5:6]]
+    print(json.dumps(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), *extra)), flush=True)
