@@ -190,10 +190,9 @@ def _check_same_keys(keys_by_group: Dict[tuple, list]) -> None:
                                  "other parameters of its group have")
 
 
-def load_state_dict(engine, groups, state_dict: dict) -> None:
-    """Validate everything first; then swap the new state in and update ``groups`` in place
-    (hooks run by the caller)."""
-    check_is_state_dict(state_dict)
+def _checked_meta(state_dict: dict, groups):
+    """The saved optstate metadata (or None) and clip state, after checking the format version,
+    the clip state and the group and parameter counts against ``groups``."""
     saved_groups = state_dict["param_groups"]
     meta = state_dict.get(META_KEY)
     if meta is None:
@@ -212,25 +211,33 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         if len(g["params"]) != len(sg["params"]):
             raise ValueError(f"state_dict: parameter group {i} has {len(sg['params'])} parameters, "
                              f"the optimizer's has {len(g['params'])}")
-    id_map, group_of, group_index = {}, {}, {}
+    return meta, clip
+
+
+def _saved_ids(groups, saved_groups):
+    """Saved parameter id -> (the live parameter, its group, the group's index)."""
+    out = {}
     for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
         for saved_id, p in zip(sg["params"], g["params"]):
-            id_map[saved_id] = p
-            group_of[saved_id] = g
-            group_index[saved_id] = gi
+            out[saved_id] = (p, g, gi)
+    return out
 
+
+def _unpacked_state(engine, state_dict: dict, ids):
+    """Each saved entry checked and unpacked for its parameter: ``(new state, saved keys per
+    (group, rank), encoded values to place per (codec, host, device, dtype))``."""
     new_state: Dict[torch.Tensor, ParamState] = {}
     keys_by_group: Dict[int, list] = {}
     encoded = {}  # (codec, host, device, dtype) -> [(state dict, key, source)]: placed together below
     for saved_id, entry in state_dict["state"].items():
-        if saved_id not in id_map and isinstance(saved_id, str):
+        if saved_id not in ids and isinstance(saved_id, str):
             # an optimizer's own non-parameter state (MADGRAD's "k"), as it was saved (DCP keys
-            # parameters by name: those are in id_map)
+            # parameters by name: those are in ids)
             new_state[saved_id] = entry
             continue
-        if saved_id not in id_map:
+        if saved_id not in ids:
             raise ValueError(f"state_dict: state for unknown parameter id {saved_id!r}")
-        param = id_map[saved_id]
+        param, group, group_index = ids[saved_id]
         name = engine.name_of(param)
         what = f"parameter {saved_id}" + (f" ({name!r})" if name else "")
         if not isinstance(entry, dict):
@@ -250,11 +257,21 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
                 target = torch.device("cpu") if value.host_tier else param.device
                 encoded.setdefault((value.codec, value.host_tier, target, value.dtype), []).append((st, key, value, param))
             else:
-                value = _cast_like_torch(param, key, value, group_of[saved_id], keep_dtype=masters)
+                value = _cast_like_torch(param, key, value, group, keep_dtype=masters)
             st[key] = value
         new_state[param] = st
         # an optimizer may key state by the tensor's rank (Adafactor factors matrices): compare like with like
-        keys_by_group.setdefault((group_index[saved_id], local(param).dim()), []).append((what, set(entry)))
+        keys_by_group.setdefault((group_index, local(param).dim()), []).append((what, set(entry)))
+    return new_state, keys_by_group, encoded
+
+
+def load_state_dict(engine, groups, state_dict: dict) -> None:
+    """Validate everything first; then swap the new state in and update ``groups`` in place
+    (hooks run by the caller)."""
+    check_is_state_dict(state_dict)
+    saved_groups = state_dict["param_groups"]
+    meta, clip = _checked_meta(state_dict, groups)
+    new_state, keys_by_group, encoded = _unpacked_state(engine, state_dict, _saved_ids(groups, saved_groups))
     _check_same_keys(keys_by_group)
     pin = engine.pin_memory if engine.pin_memory is not None else torch.cuda.is_available()
     for (codec, host, device, dtype), items in encoded.items():
