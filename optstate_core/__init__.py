@@ -1,7 +1,7 @@
 """optstate: optimizer-state virtualization for PyTorch (the public API, nothing else)."""
 from .state.checkpoint import to_plain_state_dict
 from .state.codecs import (BF16Codec, Codec, EncodedTensor, FP16Codec, FP32Codec, IdentityCodec, Int4Codec, Int8Codec,
-                           Int8MomentumCodec, get_codec)
+                           Int8MomentumCodec, Minifloat8Codec, get_codec)
 from .state.master_weights import cast_model, master_state_dict
 from .state.units import parse_bytes
 from .optimizer import VirtualOptimizer
@@ -17,6 +17,6 @@ __all__ = [
     "wrap", "unwrap", "auto_wrap", "wrap_low_memory_adamw", "wrap_max_compression_adamw", "make_policy",
     "make_low_memory_policy", "PRESETS", "OptStateAdamW", "VirtualOptimizer", "WrapOptions", "OptimizerWrapper", "Policy", "WarmupPolicy",
     "AdaptiveWarmupPolicy", "ParamInfo", "Codec", "EncodedTensor", "FP32Codec", "IdentityCodec", "FP16Codec",
-    "BF16Codec", "Int8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "to_plain_state_dict", "cast_model", "master_state_dict", "MOMENT_CODECS", "parse_bytes",
+    "BF16Codec", "Int8Codec", "Minifloat8Codec", "Int8MomentumCodec", "Int4Codec", "get_codec", "to_plain_state_dict", "cast_model", "master_state_dict", "MOMENT_CODECS", "parse_bytes",
     "__version__",
 ]

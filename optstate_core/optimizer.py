@@ -150,7 +150,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         if loss is not None and engine.policy.wants_loss and engine.observe_closure_loss:
             engine.policy.observe_loss(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
         with torch.no_grad():
-            clipping = engine.gradient_release
+            clipping = engine.clip_release
             if clipping.release or clipping.max_grad_norm is not None:
                 params = [p for g in self.param_groups for p in g["params"]]
                 if clipping.release and follow_parameters(engine, params):
@@ -175,7 +175,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         and the HF Trainer swaps in DTensor parameters): gradient release moves its backward hooks to
         them and finds their shards' process group. Without release, nothing to do. The
         integrations call it; step() does it too, one step late."""
-        if self._engine.gradient_release.release:
+        if self._engine.clip_release.release:
             follow_parameters(self._engine)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -183,7 +183,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         if engine is None:  # called by Optimizer.__init__ with the inner's groups: shared, not copied
             return
         engine.inner.add_param_group(param_group)
-        if engine.gradient_release.release:
+        if engine.clip_release.release:
             follow_parameters(engine, defer_data_parallel=True)
 
     def _hooks(self, kind: str) -> list:
@@ -256,16 +256,16 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     @property
     def release_gradients(self) -> bool:
         """Whether gradients are applied and freed in backward (see the constructor option)."""
-        return self._engine.gradient_release.release
+        return self._engine.clip_release.release
 
     @property
     def max_grad_norm(self) -> Optional[float]:
         """The clipping norm (None: no clipping); integrations route their clipping setting here."""
-        return self._engine.gradient_release.max_grad_norm
+        return self._engine.clip_release.max_grad_norm
 
     @max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
-        gr = self._engine.gradient_release
+        gr = self._engine.clip_release
         gr.max_grad_norm, _ = check_clip_options(value, gr.clip_mode, gr.release)
 
     def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
@@ -276,7 +276,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         ``norm_type``, or another norm set here already, raises a ``ValueError`` naming ``source``
         (the framework's setting) and changes nothing; ``check_only``: only check. Without release
         it returns False and changes nothing: the framework clips as usual."""
-        gr = self._engine.gradient_release
+        gr = self._engine.clip_release
         if not gr.release or max_norm is None:
             return False
         if float(norm_type) != 2.0:
@@ -294,17 +294,17 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     def grad_norm_so_far(self) -> Optional[torch.Tensor]:
         """With gradient release: the global 2-norm of this step's gradients released so far
         (before clipping); None when nothing computed it."""
-        return self._engine.gradient_release.norm_so_far()
+        return self._engine.clip_release.norm_so_far()
 
     @property
     def clip_mode(self) -> str:
-        return self._engine.gradient_release.clip_mode
+        return self._engine.clip_release.clip_mode
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
         """The global 2-norm of the last step's gradients before clipping (None before the first
         step, or when neither clipping nor release computed it)."""
-        return self._engine.gradient_release.last_grad_norm
+        return self._engine.clip_release.last_grad_norm
 
     # -- optstate API ---------------------------------------------------------------------------
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .state.codecs import Int4Codec, Int8Codec
+from .state.codecs import Int4Codec, Minifloat8Codec
 from .policy import AdaptiveWarmupPolicy, WarmupPolicy
 
 #: optimizer class -> state key -> codec, where an optimizer's state needs another codec than the
@@ -23,13 +23,13 @@ PRESETS = {
     "bf16": dict(warmup_steps=0, momentum_codec="bf16", variance_codec="bf16"),
     # stochastic rounding keeps the slow EMAs unbiased (a nearest-rounded int8 second moment can
     # stall: beta2 = 0.999 changes it by 0.1% a step, below its code step)
-    "8bit": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                 variance_codec=Int8Codec(stochastic_rounding=True), optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
+    "8bit": dict(warmup_steps=0, momentum_codec=Minifloat8Codec(stochastic_rounding=True),
+                 variance_codec=Minifloat8Codec(stochastic_rounding=True), optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
     # the 4-bit second moment rounds stochastically for the same reason
     "4bit": dict(warmup_steps=0, momentum_codec="int4", variance_codec=Int4Codec(stochastic_rounding=True),
                  optimizer_codecs=OPTIMIZER_CODECS["4bit"]),
-    "offload": dict(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                    variance_codec=Int8Codec(stochastic_rounding=True), device_resident=False,
+    "offload": dict(warmup_steps=0, momentum_codec=Minifloat8Codec(stochastic_rounding=True),
+                    variance_codec=Minifloat8Codec(stochastic_rounding=True), device_resident=False,
                     optimizer_codecs=OPTIMIZER_CODECS["8bit"]),
     # the smallest state: 4-bit for every tensor, biases and norms included (a 1-D one of a
     # length that is not a whole number of 256-blocks stays fp32: policy.splits_blocks)

@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .state.codecs import Codec, Int8Codec
+from .state.codecs import Codec, Minifloat8Codec
 from .optimizer import VirtualOptimizer
 from .options import check_optional_int
 from .policy import Policy, WarmupPolicy
@@ -69,8 +69,8 @@ def wrap_max_compression_adamw(params: Iterable, lr: float = 1e-3, weight_decay:
     """AdamW with int8 momentum and second moment for every tensor (biases and norms too), from
     the first step: torch-optstate 0.1.1's "int8-all state". For 4-bit everywhere use the
     ``"4bit-all"`` preset."""
-    policy = WarmupPolicy(warmup_steps=0, momentum_codec=Int8Codec(stochastic_rounding=True),
-                          variance_codec=Int8Codec(stochastic_rounding=True), min_int8_elements=0,
+    policy = WarmupPolicy(warmup_steps=0, momentum_codec=Minifloat8Codec(stochastic_rounding=True),
+                          variance_codec=Minifloat8Codec(stochastic_rounding=True), min_int8_elements=0,
                           whole_blocks_1d=False, device_resident=device_resident)
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **adamw_kwargs)
     return VirtualOptimizer(inner, policy, chunk_size=_chunk_size(inner, chunk_size, chunk_size_on_cuda),

@@ -347,7 +347,7 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
     late = demo.config_from_args(cli.build_parser().parse_args(["demo", *TINY, "--clip", "0.01", "--clip-mode",
                                                                 "previous", "--release-bucket-bytes", "0"]))
     assert demo.build_optimizer(demo.TinyLM.from_config(late), late,
-                                "8bit+release")._engine.gradient_release.bucket_bytes == 0
+                                "8bit+release")._engine.clip_release.bucket_bytes == 0
     result = convergence.run_convergence(late, ["fp32+release"], [0, 1], progress=False)
     losses_late = {r.run: r.val_losses for r in result.rows}
     assert losses_late["optstate-fp32+release"] != pytest.approx(losses_late["adamw"], rel=1e-4)
@@ -361,7 +361,7 @@ def test_convergence_with_gradient_release_and_the_clip_rule(capsys):
         cli.main(["demo", *TINY, "--clip", "-1"])
     assert "--clip must be a number >= 0" in capsys.readouterr().err
     assert demo.build_optimizer(demo.TinyLM.from_config(per_tensor), per_tensor,
-                                "8bit+release")._engine.gradient_release.clip_mode == "per_tensor"
+                                "8bit+release")._engine.clip_release.clip_mode == "per_tensor"
     with pytest.raises(SystemExit):
         cli.main(["demo", *TINY, "--clip-mode", "global"])
     assert "--clip-mode must be auto, previous or per_tensor" in capsys.readouterr().err

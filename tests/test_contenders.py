@@ -12,7 +12,7 @@ def params():
 def test_wrap_options_reach_an_optstate_contender():
     c = contenders.parse("bf16w-4bit-lean-offload+release")
     opt = contenders.build(c, params(), max_grad_norm=1.0, release_bucket_bytes=12345, prefetch_budget=0)
-    assert opt._engine.gradient_release.bucket_bytes == 12345
+    assert opt._engine.clip_release.bucket_bytes == 12345
     assert opt._engine.schedule.area.budget == 0
     opt.close()
 

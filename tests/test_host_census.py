@@ -6,14 +6,14 @@ from helpers import load_tool
 
 def test_census_counts_one_gradient_hook_per_parameter_per_step_and_unpatches(tmp_path):
     from optstate_core.apps.llama import NAMED_SHAPES, build_model
-    from optstate_core.schedule.release import GradientRelease
+    from optstate_core.schedule.release import ClipAndRelease
 
     tool = load_tool("host_census")
-    flush = GradientRelease.flush
+    flush = ClipAndRelease.flush
     out = tmp_path / "census.txt"
     lines = tool.main(["--out", str(out), "--", "--shape", "tiny", "--steps", "4", "--seq", "32",
                        "--preset", "bf16w-4bit-lean-offload"])
-    assert GradientRelease.flush is flush  # the wrappers are gone
+    assert ClipAndRelease.flush is flush  # the wrappers are gone
     assert out.read_text().splitlines() == lines
     assert lines[0].startswith("2 steps, ")
     rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines[2:]}

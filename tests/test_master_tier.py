@@ -46,7 +46,7 @@ def train(preset, steps=3, fused=True, release=False, **options):
         if release:
             for p in ps:  # what autograd's post-accumulate-grad hooks do on the boundary micro-batch
                 opt._engine.schedule.gradient_ready(p)
-            opt._engine.gradient_release.flush()  # and its callback at the end of backward
+            opt._engine.clip_release.flush()  # and its callback at the end of backward
             assert all(p.grad is None for p in ps)
         opt.step()
     return ps, opt
@@ -225,7 +225,7 @@ def test_release_stages_batches_ahead_and_stays_bit_identical(monkeypatch):
             if release:
                 for i in order:  # one batch per parameter (each gradient exceeds 512 bytes)
                     opt._engine.schedule.gradient_ready(ps[i])
-                opt._engine.gradient_release.flush()
+                opt._engine.clip_release.flush()
             opt.step()
             opt.zero_grad()
             phases.append(dict(opt.memory_report()["prefetch"]["bytes_by_phase"],
@@ -272,7 +272,7 @@ def test_release_over_offloaded_state_with_accumulation_and_autograd_hooks():
         runs.append((m, opt, staged))
     (ref, _, _), (m, opt, staged) = runs
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
-    assert opt._engine.gradient_release.released == 0 and len(opt._engine.gradient_release._last_order) > 2
+    assert opt._engine.clip_release.released == 0 and len(opt._engine.clip_release._last_order) > 2
     assert staged[-2] > 0 and staged[-2] == staged[-1]  # staged after a step, still there after the next micro-batch
     assert opt.memory_report()["prefetch"]["bytes_by_phase"]["step"] == 0  # every batch found its state staged
 
@@ -316,7 +316,7 @@ def test_release_stages_past_resident_batches(monkeypatch):
             if options:
                 for p in ps:  # one batch per parameter, the resident one first
                     opt._engine.schedule.gradient_ready(p)
-                opt._engine.gradient_release.flush()
+                opt._engine.clip_release.flush()
             opt.step()
             opt.zero_grad()
             staged.append((len(opt._engine.schedule.area.entries),

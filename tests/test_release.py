@@ -200,7 +200,7 @@ def test_release_with_clipping_equals_global_clipping_when_one_batch_holds_the_s
         _run(model, opt, [b.to(dtype) for b in batches], release=release)
         runs.append((model, opt))
     (m0, o0), (m1, o1) = runs
-    assert o0._engine.gradient_release.clip_mode == "global" and o1._engine.gradient_release.clip_mode == "auto"
+    assert o0._engine.clip_release.clip_mode == "global" and o1._engine.clip_release.clip_mode == "auto"
     assert torch.equal(o0.last_grad_norm, o1.last_grad_norm) and float(o1.last_grad_norm) > 0.05
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
@@ -224,7 +224,7 @@ def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, 
     the run without release that clips in step(). ``nan``: one step's first-layer gradient is
     NaN (its norm and factor too): the same parameters are skipped. (On CUDA when there is one:
     the kernels' own rounding.)"""
-    from optstate_core.schedule.release import GradientRelease
+    from optstate_core.schedule.release import ClipAndRelease
     from optstate_core.step.fused_launch import KernelLauncher
 
     batches = [b * 30 for b in _batches(4)]  # large gradients: clipping is active
@@ -236,11 +236,11 @@ def test_release_clips_inside_the_fused_launch_bit_for_bit(preset, dtype, mode, 
         return launch(self, bucket, *args, **kwargs)
 
     monkeypatch.setattr(KernelLauncher, "launch", counting_launch)
-    clip = GradientRelease._clip
+    clip = ClipAndRelease._clip
     runs = []
     for release, fold in ((True, True), (True, False), (False, False)):
         if not fold:  # every gradient scaled in place by _clip, none by the kernels
-            monkeypatch.setattr(GradientRelease, "_clip", lambda self, grads, fold=None: clip(self, grads))
+            monkeypatch.setattr(ClipAndRelease, "_clip", lambda self, grads, fold=None: clip(self, grads))
         model, weights = _model_for(preset)
         model = model.to(DEVICE, dtype)
         if nan:

@@ -25,7 +25,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "integrations")]
 
 #: (module, class or None, method or function names) traced, labelled "<short module>.<name>"
 TARGETS = (
-    ("optstate_core.schedule.release", "GradientRelease", ("__call__", "flush", "step_params", "_clip", "stage_next")),
+    ("optstate_core.schedule.release", "ClipAndRelease", ("__call__", "flush", "step_params", "_clip", "stage_next")),
     ("optstate_core.schedule.release", None, ("_norms_fp32",)),
     ("optstate_core.schedule.timetable", "StepSchedule",
      ("gradient_ready", "run", "_launch_prefetched", "_stream_chunk", "_upload", "stage", "_write_back")),

@@ -11,7 +11,7 @@ section 31).
 
 Everything after ``--`` goes to the example; the two steps after its warm-up are recorded. The
 hooks wrap the schedule's methods from outside (``Streams.on``, ``StepSchedule.run``,
-``KernelLauncher.launch``, ``GradientRelease.flush``); nothing in the library changes.
+``KernelLauncher.launch``, ``ClipAndRelease.flush``); nothing in the library changes.
 """
 import argparse
 import atexit
@@ -66,7 +66,7 @@ def install(example):
         setattr(cls, name, wrapped)
     around(timetable.StepSchedule, "run", "run_begin", "run_end")
     around(fused_launch.KernelLauncher, "launch", "kernel_begin")
-    around(release.GradientRelease, "flush", "flush")
+    around(release.ClipAndRelease, "flush", "flush")
 
     load = example.load_model
 

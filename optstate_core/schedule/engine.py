@@ -42,7 +42,7 @@ from ..step.schedule_free import advance_groups, fused_step_applies, plan_fused_
 from ..step.session import run_whole_step
 from ..step.router import Router
 from .placement import Placement
-from .release import GradientRelease
+from .release import ClipAndRelease
 from ..policy import ParamInfo, Policy
 from .timetable import StepSchedule
 from ..state.pinned import PinnedArena
@@ -91,10 +91,10 @@ class Engine:
         self.schedule = StepSchedule(self, options.prefetch_budget)
         self.backward_check = BackwardCheck()
         self.check_in_backward = options.check_in_backward
-        self.gradient_release = GradientRelease(self, options.release_gradients, options.max_grad_norm,
+        self.clip_release = ClipAndRelease(self, options.release_gradients, options.max_grad_norm,
                                                 options.clip_mode, options.release_bucket_bytes)
         if options.release_gradients:
-            self.schedule.release = self.gradient_release
+            self.schedule.release = self.clip_release
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
@@ -246,7 +246,7 @@ class Engine:
         """Have later steps' gradients of ``params`` (and no others) checked for NaN/inf in
         backward (:mod:`~optstate_core.step.backward_check`): only with ``check_in_backward=True`` and not
         under gradient release, whose hooks consume the gradients."""
-        if not self.check_in_backward or self.gradient_release.release:
+        if not self.check_in_backward or self.clip_release.release:
             params = []
         self.backward_check.watch(params)
         self.schedule.register_hooks(params)

@@ -45,7 +45,7 @@ def first_step_requests(engine) -> List[int]:
     infos = list(engine.param_infos())
     if any(is_dtensor(p) for p, _ in infos):
         return []
-    release = getattr(getattr(engine, "gradient_release", None), "release", False)
+    release = engine.clip_release.release
     works = []
     for p, info in infos:
         w = Work(p, info, {})

@@ -63,7 +63,7 @@ EPS = 1e-6
 #: and a few hundred MB of gradients is little beside what release frees
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 #: how many released batches' offloaded state is staged ahead of their update by default
-#: (:meth:`GradientRelease.stage_next`; ``OPTSTATE_STAGE_AHEAD``, see :func:`stage_ahead`)
+#: (:meth:`ClipAndRelease.stage_next`; ``OPTSTATE_STAGE_AHEAD``, see :func:`stage_ahead`)
 DEFAULT_STAGE_AHEAD = 2
 
 
@@ -90,7 +90,7 @@ def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
     return max_grad_norm, clip_mode
 
 
-class GradientRelease:
+class ClipAndRelease:
     """Batched updates of released parameters from the backward hooks, and clipping for both modes of stepping."""
 
     def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str,

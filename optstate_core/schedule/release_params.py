@@ -45,7 +45,7 @@ def follow_parameters(engine, params=None, defer_data_parallel: bool = False) ->
     is found; a check deferred at wrap() is made now (plain parameters under data parallelism
     raise, unless ``defer_data_parallel``: wrap() and add_param_group). Cheap when nothing changed;
     returns whether anything did. ``params``: the groups' parameters, when the caller has them listed."""
-    release = engine.gradient_release
+    release = engine.clip_release
     if params is None:
         params = [p for g in engine.inner.param_groups for p in g["params"]]
     ids = tuple(map(id, params))

@@ -78,7 +78,7 @@ class StepSchedule:
         self._hooks = []
         self._hooked = set()  # ids of parameters with a hook
         self.unmarked_accumulation = False  # a window of several backwards that nobody marked was seen
-        self.release = None  # GradientRelease (release.py) when gradients are released in backward
+        self.release = None  # ClipAndRelease (release.py) when gradients are released in backward
         self._written: Dict[int, tuple] = {}  # id(streamed bucket) -> (step count, event) of its last write-back
         self.staged_ahead = False  # release staged the next step's first batch: zero_grad keeps it
 
@@ -175,7 +175,7 @@ class StepSchedule:
     def stage(self, buckets) -> bool:
         """Gradient release: upload the offloaded state of a released batch's kept ``buckets`` now,
         ahead of the batch (the previous step's order predicts it; see
-        :meth:`~optstate_core.schedule.release.GradientRelease.flush`), so that its update finds the
+        :meth:`~optstate_core.schedule.release.ClipAndRelease.flush`), so that its update finds the
         state on the device instead of streaming it through the ring while backward waits. Only
         buckets last run in the previous step are staged: each slab's upload waits for that run's
         write-back (events only), the last write of those host rows, and nothing updated since

@@ -100,7 +100,7 @@ def build_state_dict(engine, param_groups) -> dict:
             state[key] = value.clone() if isinstance(value, torch.Tensor) else value
     meta = {"format_version": FORMAT_VERSION, "step": engine.step_count, "policy": engine.policy.state_dict(),
             "seed": engine.seed, "nonfinite_skipped": engine.nonfinite_skipped(),
-            "clip": engine.gradient_release.clip_state()}
+            "clip": engine.clip_release.clip_state()}
     if groups:  # also in the first group: torch.distributed.checkpoint keeps only state and groups
         groups[0][META_KEY] = meta
     return {"state": state, "param_groups": groups, "optstate": meta}
@@ -291,7 +291,7 @@ def load_state_dict(engine, groups, state_dict: dict) -> None:
         engine.step_count = int(meta.get("step", 0))
         engine.restore_nonfinite_count(int(meta.get("nonfinite_skipped", 0)))
         engine.policy.load_state_dict(meta.get("policy", {}))
-        engine.gradient_release.load_clip_state(clip)
+        engine.clip_release.load_clip_state(clip)
     else:
         engine.step_count = _infer_step(new_state)
     with torch.no_grad():

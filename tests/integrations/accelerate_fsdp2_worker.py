@@ -139,13 +139,13 @@ def run_release(accelerator, out_dir, rank, world):
         with accelerator.accumulate(model):
             accelerator.backward(F.cross_entropy(model(x), y))
             if accelerator.sync_gradients:
-                released.append(vopt._engine.gradient_release.released)
+                released.append(vopt._engine.clip_release.released)
                 left.append(sum(p.grad is not None for p in model.parameters()))
             optimizer.step()
             optimizer.zero_grad()
     params = full_params(model)
     result = {"params": len(list(model.parameters())), "released": released, "grads_left": left,
-              "group_size": vopt._engine.gradient_release.group.size(), "steps": vopt.step_count}
+              "group_size": vopt._engine.clip_release.group.size(), "steps": vopt.step_count}
     if accelerator.is_main_process:
         ref_model = mlp(0, width=128)  # one process on all ranks' data, no release
         ref = oc.wrap(torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.01),

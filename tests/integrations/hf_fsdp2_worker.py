@@ -63,7 +63,7 @@ class ReleaseCounter(TrainerCallback):
 
     def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
         def count(opt, *unused):
-            self.released.append(opt._engine.gradient_release.released)
+            self.released.append(opt._engine.clip_release.released)
             self.left.append(sum(p.grad is not None for g in opt.param_groups for p in g["params"]))
         optstate_hf.find_virtual_optimizer(optimizer).register_step_pre_hook(count)
 

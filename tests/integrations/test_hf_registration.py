@@ -239,6 +239,6 @@ def test_release_bucket_bytes_reaches_the_optimizer():
     for text, want in (("0", 0), ("64MiB", 64 * 2**20)):
         parsed = optstate_hf.parse_optim_args(f"release_gradients=true,release_bucket_bytes={text}")
         opt = oc.wrap(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, 4))]), "8bit", **parsed.wrap_options())
-        assert opt._engine.gradient_release.bucket_bytes == want
+        assert opt._engine.clip_release.bucket_bytes == want
     with pytest.raises(ValueError, match="release_bucket_bytes='lots'"):
         optstate_hf.parse_optim_args("release_bucket_bytes=lots")

@@ -103,7 +103,7 @@ def test_released_gradients_take_the_kernel_too():
                 for p in ps:  # what autograd's post-accumulate-grad hooks do
                     opt._engine.schedule.gradient_ready(p)
                     assert (p.grad is None) == (bucket == 0)  # batched: pending until the batch fills
-                opt._engine.gradient_release.flush()  # and its callback at the end of backward
+                opt._engine.clip_release.flush()  # and its callback at the end of backward
                 assert all(p.grad is None for p in ps)
             opt.step()
         assert opt.last_step_timings["fused_params"] == (0 if release else len(SHAPES))

@@ -66,14 +66,14 @@ def test_kept_buckets_follow_changes(change, bucket):
                       release_gradients=release, **options)
         for s in range(2):
             step(ps, opt, s, release)
-        kept = dict(opt._engine.gradient_release._buckets)
+        kept = dict(opt._engine.clip_release._buckets)
         if release:
             assert len(kept) == batches  # every batch's buckets are kept after its first release
         ps, opt = change(ps, opt)
         for s in range(2, 4):
             step(ps, opt, s, release)
         if release and change is not lr_change:  # new state objects (or a copy): buckets rebuilt
-            now = opt._engine.gradient_release._buckets
+            now = opt._engine.clip_release._buckets
             assert len(now) == batches and all(now[k][0] is not kept.get(k, (None,))[0] for k in now)
         results.append(ps)
     for p, q in zip(*results):

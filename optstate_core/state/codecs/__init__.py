@@ -9,10 +9,10 @@ from .correction import Correction8Codec, Correction16Codec
 from .float import BF16Codec, FP16Codec, FP32Codec, IdentityCodec
 from .fp24 import Float24Codec
 from .int4 import Int4Codec
-from .int8 import Int8Codec, Int8MomentumCodec
+from .int8 import Int8Codec, Int8MomentumCodec, Minifloat8Codec
 
 CODECS = {
-    "fp32": FP32Codec, "bf16": BF16Codec, "fp16": FP16Codec, "int8": Int8Codec, "int4": Int4Codec,
+    "fp32": FP32Codec, "bf16": BF16Codec, "fp16": FP16Codec, "int8": Minifloat8Codec, "int4": Int4Codec,
     "corr16": Correction16Codec, "corr8": Correction8Codec, "fp24": Float24Codec,
 }
 ALIASES = {"none": "fp32", "identity": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
@@ -51,4 +51,4 @@ def codec_from_config(config: dict) -> Codec:
 
 
 __all__ = ["Codec", "EncodedTensor", "slab_shape", "FP32Codec", "IdentityCodec", "BF16Codec", "FP16Codec",
-           "Int8Codec", "Int8MomentumCodec", "Int4Codec", "Float24Codec", "Correction16Codec", "Correction8Codec", "StateKind", "get_codec", "codec_from_config", "CODECS"]
+           "Int8Codec", "Minifloat8Codec", "Int8MomentumCodec", "Int4Codec", "Float24Codec", "Correction16Codec", "Correction8Codec", "StateKind", "get_codec", "codec_from_config", "CODECS"]

@@ -103,8 +103,9 @@ class MinifloatMap:
         return torch.where(a > 0, normal.clamp_(1, self.max_mag), 0)
 
 
-class Int8Codec(Codec):
-    """Blockwise 8-bit state (default block 256, fp32 power-of-two scale per block).
+class Minifloat8Codec(Codec):
+    """Blockwise 8-bit minifloat state (codec name ``"int8"``; default block 256, fp32 power-of-two
+    scale per block). ``Int8Codec`` is the same class under its earlier name.
 
     ``signed=None`` picks the signed map for momentum-like states and the unsigned map for
     non-negative ones (the policy tells the codec which through :meth:`specialize`).
@@ -173,5 +174,9 @@ class Int8Codec(Codec):
         self._luts = {}
 
 
-class Int8MomentumCodec(Int8Codec):
+#: the earlier name of :class:`Minifloat8Codec` (the format's name, ``"int8"``, is unchanged)
+Int8Codec = Minifloat8Codec
+
+
+class Int8MomentumCodec(Minifloat8Codec):
     """torch-optstate's name for the int8 codec; here blockwise, and safe for variance too."""
