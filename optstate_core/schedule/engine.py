@@ -100,6 +100,7 @@ class Engine:
         self._nonfinite_reported = 0
         self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
         self.park_buffers = ParkBuffers()  # the phase switch's host buffers, kept across parks
+        self.told_auto_wake = False  # an update woke parked state: logged once
 
     @property
     def prefetch_during_backward(self) -> bool:
@@ -137,9 +138,9 @@ class Engine:
             name = self.policy.name_of(p)
         return name
 
-    def _drop_nonfinite(self, works):
+    def drop_nonfinite(self, works):
         """The works (or CPU plans) whose gradients are finite; the others are counted and reported."""
-        kept, skipped = split_nonfinite(works, empty_shards_agree=not self.fused._kernel_device(works[0].grad))
+        kept, skipped = split_nonfinite(works, empty_shards_agree=not self.fused.kernel_device(works[0].grad))
         if skipped:
             self.nonfinite_host += len(skipped)
             log.warning("step %d: non-finite gradient (NaN, inf or |g| >= 2**64), update skipped for %s",
@@ -300,7 +301,7 @@ class Engine:
         the passthrough items ``(param, state, group index)``."""
         checked = (routes.tiled if on_device else routes.passthrough + routes.tiled) + routes.cpu
         if self.skip_nonfinite and checked:
-            kept = {id(w) for w in self._drop_nonfinite(checked)}
+            kept = {id(w) for w in self.drop_nonfinite(checked)}
             routes.passthrough = [w for w in routes.passthrough if on_device or id(w) in kept]
             routes.tiled = [w for w in routes.tiled if id(w) in kept]
             routes.cpu = [c for c in routes.cpu if id(c) in kept]

@@ -61,8 +61,8 @@ def wake_for_update(engine, where: str) -> None:
     """Before an update: wake parked state (see the module docstring), said once in the log."""
     if not engine.parked:
         return
-    if not getattr(engine, "_told_auto_wake", False):
-        engine._told_auto_wake = True
+    if not engine.told_auto_wake:
+        engine.told_auto_wake = True
         log.info("optstate: %s woke the parked optimizer state; call reload() (or leave opt.parked()) before "
                  "training to choose when it moves", where)
     with torch.no_grad():

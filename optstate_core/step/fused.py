@@ -71,7 +71,7 @@ class FusedPath:
         return None
 
     # -- eligibility -------------------------------------------------------------------------------
-    def _kernel_device(self, p) -> bool:
+    def kernel_device(self, p) -> bool:
         """The parameter is where the kernels run: CUDA, or the CPU under ``TRITON_INTERPRET=1``
         with ``fused=True``."""
         return p.device.type == "cuda" or bool(self.mode and p.device.type == "cpu" and interpreting())
@@ -82,7 +82,7 @@ class FusedPath:
         if self.mode is False:
             return None
         p, inner = w.param, self.engine.inner
-        if not self._kernel_device(p):
+        if not self.kernel_device(p):
             return self._fallback(f"parameters on {p.device.type} (the fused kernels need CUDA)")
         if triton_error():
             return self._fallback(triton_error())
@@ -192,7 +192,7 @@ class FusedPath:
         own step): ``beside`` compressed ones (the same launches, no second optimizer), or alone
         where the kernel steps it bit-identically to torch's fused Adam/AdamW (NaN/inf then skipped
         per block, with no extra pass)."""
-        if self.mode is False or not self._kernel_device(w.param):
+        if self.mode is False or not self.kernel_device(w.param):
             return None
         plan = self.plan(w, allow_uncompressed=True)
         return plan if plan is not None and (beside or plan.torch_fused) else None

@@ -108,7 +108,7 @@ class StateSession(MutableMapping):
         _, info = self.infos[id(p)]
         work = Work(p, info, self.store[p] if p in self.store else ParamState())
         tile = Tile(work, 0, work.param.numel(), 0, work.rows, 0, work.cols, whole=True)
-        self.engine.tiled._materialize(tile)
+        self.engine.tiled.materialize(tile)
         opened = self.opened[id(p)] = _Opened(work, tile)
         return opened
 
@@ -151,7 +151,7 @@ class StateSession(MutableMapping):
             if not tile.states and work.key in self.store:
                 continue
             work.tiles_left = 1
-            engine.tiled._commit(tile, update=True)
+            engine.tiled.commit(tile, update=True)
             if self.update:
                 master_weights.forget_seed(work.key)
         self.opened = {}
@@ -181,7 +181,7 @@ def run_whole_step(engine) -> None:
     engine.placement.assign_residency(works, engine.step_count)
     hidden = []
     if engine.skip_nonfinite and works:
-        kept = {id(w) for w in engine._drop_nonfinite(works)}
+        kept = {id(w) for w in engine.drop_nonfinite(works)}
         hidden = [(w.key, w.key.grad) for w in works if id(w) not in kept]
     t0 = time.perf_counter()
     session = StateSession(engine, update=True)

@@ -85,7 +85,7 @@ class TiledStep:
         for chunk in self.chunks(works):
             t0 = time.perf_counter()
             for tile in chunk:
-                self._materialize(tile)
+                self.materialize(tile)
                 if update and engine.policy.master_codec(tile.work.info) is not None:
                     master_weights.open_tile(tile)
             t1 = time.perf_counter()
@@ -98,7 +98,7 @@ class TiledStep:
             materialized = sum(_materialized_bytes(tile) for tile in chunk)
             engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, materialized)
             for tile in chunk:
-                self._commit(tile, update)
+                self.commit(tile, update)
             t3 = time.perf_counter()
             engine.metrics.materialize_ms += (t1 - t0) * 1e3
             engine.metrics.inner_step_ms += (t2 - t1) * 1e3
@@ -108,7 +108,7 @@ class TiledStep:
             for w in works:
                 master_weights.forget_seed(w.key)
 
-    def _materialize(self, tile: Tile) -> None:
+    def materialize(self, tile: Tile) -> None:
         """Build the tile's parameter/gradient views and its full-precision state."""
         w, p = tile.work, tile.work.param
         if tile.whole:
@@ -141,7 +141,7 @@ class TiledStep:
             enc.codec.decode_into(engine.transfers.fetch(payload, device), out.view(tile.slab_shape))
         return out
 
-    def _commit(self, tile: Tile, update: bool) -> None:
+    def commit(self, tile: Tile, update: bool) -> None:
         engine = self.engine
         w = tile.work
         step = engine.step_count
