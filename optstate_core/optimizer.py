@@ -63,6 +63,9 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             (on copies) and refused with a ``ValueError`` if they differ.
         fused: use the fused Triton kernels where they apply (None: automatically on CUDA;
             True: also on the CPU under ``TRITON_INTERPRET=1``; False: never).
+        fast_math: the fused Adam update's square root and reciprocal square root: the hardware's
+            approximations (a few ulp, faster; the default, or ``OPTSTATE_FAST_MATH``) or, with
+            ``False``, correctly rounded ones.
         stochastic_param_rounding: on the fused path, round updated bf16 parameters
             stochastically (counter hash) instead of to nearest.
         gpu_budget: GPU memory the optimizer state may hold between steps (bytes, a string such

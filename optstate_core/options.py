@@ -12,6 +12,7 @@ import torch
 from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import DEFAULT_BUCKET_BYTES, check_clip_options
 from .state.units import parse_bytes
+from .step.fused_launch import fast_math_default
 from .step.granularity import resolve as resolve_granularity
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -41,6 +42,7 @@ class WrapOptions:
     granularity: Optional[str] = None  # resolved against the optimizer by build()
     check_granularity: bool = False  # the user chose a granularity finer than the registry's
     fused: Optional[bool] = None
+    fast_math: Optional[bool] = None  # resolved by build(): OPTSTATE_FAST_MATH when not given
     stochastic_param_rounding: bool = False
     observe_closure_loss: bool = True
     profile: bool = False
@@ -134,8 +136,10 @@ def _validated(optimizer, kw: dict, aliases: dict) -> dict:
     if out["chunk_size"] is None and on_cuda is not None and any(
             p.is_cuda for g in optimizer.param_groups for p in g["params"]):
         out["chunk_size"] = on_cuda
-    for name in ("pin_memory", "fused"):
+    for name in ("pin_memory", "fused", "fast_math"):
         out[name] = _check_bool(name, kw.get(name), optional=True)
+    if out["fast_math"] is None:
+        out["fast_math"] = fast_math_default()
     for name, default in (("skip_nonfinite", True), ("check_in_backward", False), ("offload", False),
                           ("stochastic_param_rounding", False), ("observe_closure_loss", True), ("profile", False),
                           ("release_gradients", False)):

@@ -66,7 +66,7 @@ def test_the_defaults_are_the_codes(monkeypatch):
     assert default[pin_ahead.ENV] == "1" and pin_ahead.enabled()
     assert default[compile_ahead.ENV] == "1"
     assert int(default["OPTSTATE_SLAB_MB"]) << 20 == prefetch.slab_bytes()
-    assert default["OPTSTATE_FAST_MATH"] == "1" and fused_launch.fast_math()
+    assert default["OPTSTATE_FAST_MATH"] == "1" and fused_launch.fast_math_default()
     # the launch shapes as written in the source (the suite's conftest overrides two of them)
     tree = ast.parse((ROOT / "optstate_core/step/fused_launch.py").read_text())
     shapes = next(ast.literal_eval(n.value) for n in tree.body
@@ -101,9 +101,11 @@ def test_settings_once_read_at_import_are_read_at_wrap(monkeypatch):
     apply to optimizers wrapped after they are set, without a new import."""
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
     monkeypatch.setenv("OPTSTATE_FAST_MATH", "0")
-    assert not oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.fast_math
+    opt = oc.wrap(torch.optim.AdamW(params), "8bit")
+    assert not opt._engine.kernels.fast_math and opt.memory_report()["options"]["fast_math"] is False
+    assert oc.wrap(torch.optim.AdamW(params), "8bit", fast_math=True)._engine.kernels.fast_math  # the option wins
     monkeypatch.delenv("OPTSTATE_FAST_MATH")
-    assert oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.fast_math
+    assert oc.wrap(torch.optim.AdamW(params), "8bit").options.fast_math is True
     from optstate_core.step import fused_launch
     for name in fused_launch.SHAPE_ENV:
         monkeypatch.delenv(name, raising=False)

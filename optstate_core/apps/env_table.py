@@ -47,8 +47,8 @@ KNOBS = (
     Knob("OPTSTATE_SLAB_MB", "64", "diagnosis", "wrap()", "optstate_core/schedule/prefetch.py",
          "MiB of queued state that start a backward-time prefetch upload (a slab)"),
     Knob("OPTSTATE_FAST_MATH", "1", "diagnosis", "wrap()", _LAUNCH,
-         "anything but `1`: correctly rounded square root and division in the fused Adam update "
-         "instead of the hardware approximations (a few ulp)"),
+         "the default of the `fast_math` option: anything but `1`: correctly rounded square root and "
+         "division in the fused Adam update instead of the hardware approximations (a few ulp)"),
     Knob("OPTSTATE_NBLK", "4/1/2", "diagnosis", "wrap()", _LAUNCH,
          "256-element tiles per program of the fused kernels" + _PER_KIND.format(4, 1, 2)),
     Knob("OPTSTATE_NUM_WARPS", "2/1/2", "diagnosis", "wrap()", _LAUNCH,

@@ -87,7 +87,7 @@ class Engine:
         self.tiled = TiledStep(self)
         self.fused = FusedPath(self, options.fused)
         self.router = Router(self)
-        self.kernels = KernelLauncher(self, options.stochastic_param_rounding)
+        self.kernels = KernelLauncher(self, options.stochastic_param_rounding, options.fast_math)
         self.schedule = StepSchedule(self, options.prefetch_budget)
         self.backward_check = BackwardCheck()
         self.check_in_backward = options.check_in_backward

@@ -78,16 +78,17 @@ def _sm_count(device) -> int:
     return count
 
 
-def fast_math() -> bool:
-    """``OPTSTATE_FAST_MATH``: hardware square root and reciprocal square root (a few ulp) in the
-    Adam update (``1``, the default); anything else: correctly rounded ones. Read at wrap()."""
+def fast_math_default() -> bool:
+    """The ``fast_math`` option when not given: ``OPTSTATE_FAST_MATH`` (``1``, the default: hardware
+    square root and reciprocal square root, a few ulp, in the Adam update; anything else: correctly
+    rounded ones). Read at wrap()."""
     return os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
 
 
 class KernelLauncher:
     """Launches the Triton kernels over buckets; counts NaN/inf skips on the device."""
 
-    def __init__(self, engine, stochastic_param_rounding: bool):
+    def __init__(self, engine, stochastic_param_rounding: bool, fast_math: bool = True):
         self.engine = engine
         self.stochastic_param_rounding = stochastic_param_rounding
         self._skipped: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
@@ -97,7 +98,7 @@ class KernelLauncher:
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
         self.group_scalars: Dict[int, dict] = {}  # schedule-free AdamW: this step's values per group
         self.compile_ahead = compile_ahead.enabled()  # kernel variants compiled on a thread ahead of their launches
-        self.fast_math = fast_math()
+        self.fast_math = fast_math
         self.shapes = launch_shapes()  # LAUNCH_SHAPES with the environment's overrides, read at wrap()
 
     def close(self) -> None:
