@@ -224,7 +224,10 @@ class OptimArgs:
 
     def wrap_options(self) -> dict:
         """Options for ``optstate_core.VirtualOptimizer``."""
-        return {k: v for k, v in self._values.items() if KEYS[k].target == "wrap"}
+        out = {k: v for k, v in self._values.items() if KEYS[k].target == "wrap"}
+        if "prefetch_during_backward" in out:  # the core's current spelling (the old one warns there)
+            out["prefetch_budget"] = "auto" if out.pop("prefetch_during_backward") else 0
+        return out
 
 
 def _core_accepts(option: str) -> bool:
