@@ -1,6 +1,7 @@
 """VirtualOptimizer: any torch optimizer, with its state compressed and/or offloaded."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional
 
@@ -132,7 +133,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         optimizer.state = engine.state
         install_session_methods(engine)  # train(), eval(), ...: they see their decoded state
         warn_about_checkpoint_overrides(optimizer)
-        if options.release_gradients:  # hooks on every parameter (without release, when offloaded state is first planned)
+        if options.release_gradients:  # hooks on every parameter (without release: when offloaded state is planned)
             follow_parameters(engine, defer_data_parallel=True)
         if existing:  # state made before wrapping: adopt it, then store it as the policy says
             engine.state.update({p: (ParamState(s) if isinstance(p, torch.Tensor) else s) for p, s in existing.items()})
@@ -270,6 +271,11 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     def max_grad_norm(self, value) -> None:
         gr = self._engine.clip_release
         gr.max_grad_norm, _ = check_clip_options(value, gr.clip_mode, gr.release)
+        self._set_option(max_grad_norm=gr.max_grad_norm)
+
+    def _set_option(self, **values) -> None:
+        """Record an option changed after wrap() (``options`` and ``memory_report()`` show it)."""
+        self._engine.options = dataclasses.replace(self._engine.options, **values)
 
     def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
                            check_only: bool = False) -> bool:
@@ -290,7 +296,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
                              f"max_grad_norm={gr.max_grad_norm}; set one of them")
         norm, _ = check_clip_options(max_norm, gr.clip_mode, gr.release)  # validates, names max_grad_norm
         if not check_only:
-            gr.max_grad_norm = norm
+            self.max_grad_norm = norm
         return True
 
     @property
@@ -354,7 +360,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     def observe_closure_loss(self, enabled: bool) -> None:
         if not isinstance(enabled, bool):
             raise ValueError(f"observe_closure_loss must be True or False, got {enabled!r}")
-        self._engine.observe_closure_loss = enabled
+        self._set_option(observe_closure_loss=enabled)
 
     @property
     def step_boundary(self) -> bool:

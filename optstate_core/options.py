@@ -48,7 +48,7 @@ class WrapOptions:
     profile: bool = False
     gpu_budget: Union[int, float, None] = None
     offload: bool = False
-    staging_bytes: int = 256 * 2**20
+    staging_bytes: int = 256 * 10**6  # "256MB"
     prefetch_budget: Union[int, str] = AUTO
     release_gradients: bool = False
     release_bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -127,36 +127,32 @@ def _prefetch_budget(budget, during_backward, release: bool):
 
 
 def _validated(optimizer, kw: dict, aliases: dict) -> dict:
-    """The checked and resolved values of every option given (the rest keep their defaults)."""
-    out = dict(kw)
-    out["chunk_bytes"] = parse_bytes(kw.get("chunk_bytes", DEFAULT_CHUNK_BYTES), "chunk_bytes")
+    """The checked and resolved values of every option: those given, else the dataclass defaults."""
+    out = {**{f.name: f.default for f in fields(WrapOptions)}, **kw}
+    for name in ("chunk_bytes", "staging_bytes"):
+        out[name] = parse_bytes(out[name], name)
     for name in ("chunk_size", "initial_chunk_size"):
-        out[name] = check_optional_int(name, kw.get(name))
+        out[name] = check_optional_int(name, out[name])
     on_cuda = check_optional_int("chunk_size_on_cuda", aliases.get("chunk_size_on_cuda"))
     if out["chunk_size"] is None and on_cuda is not None and any(
             p.is_cuda for g in optimizer.param_groups for p in g["params"]):
         out["chunk_size"] = on_cuda
     for name in ("pin_memory", "fused", "fast_math"):
-        out[name] = _check_bool(name, kw.get(name), optional=True)
+        out[name] = _check_bool(name, out[name], optional=True)
     if out["fast_math"] is None:
         out["fast_math"] = fast_math_default()
-    for name, default in (("skip_nonfinite", True), ("check_in_backward", False), ("offload", False),
-                          ("stochastic_param_rounding", False), ("observe_closure_loss", True), ("profile", False),
-                          ("release_gradients", False)):
-        out[name] = _check_bool(name, kw.get(name, default))
-    seed = kw.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    out["gpu_budget"] = _gpu_budget(kw.get("gpu_budget"))
-    out["staging_bytes"] = parse_bytes(kw.get("staging_bytes", "256MB"), "staging_bytes")
+    for name in ("skip_nonfinite", "check_in_backward", "offload", "stochastic_param_rounding",
+                 "observe_closure_loss", "profile", "release_gradients"):
+        out[name] = _check_bool(name, out[name])
+    if isinstance(out["seed"], bool) or not isinstance(out["seed"], int):
+        raise ValueError(f"seed must be an int, got {out['seed']!r}")
+    out["gpu_budget"] = _gpu_budget(out["gpu_budget"])
     release = out["release_gradients"]
     out["prefetch_budget"] = _prefetch_budget(kw.get("prefetch_budget"), aliases.get("prefetch_during_backward"),
                                               release)
-    out["max_grad_norm"], out["clip_mode"] = check_clip_options(kw.get("max_grad_norm"), kw.get("clip_mode", "auto"),
-                                                                release)
-    out["release_bucket_bytes"] = parse_bytes(kw.get("release_bucket_bytes", DEFAULT_BUCKET_BYTES),
-                                              "release_bucket_bytes", allow_zero=True)
-    granularity, out["check_granularity"] = resolve_granularity(optimizer, kw.get("granularity"),
+    out["max_grad_norm"], out["clip_mode"] = check_clip_options(out["max_grad_norm"], out["clip_mode"], release)
+    out["release_bucket_bytes"] = parse_bytes(out["release_bucket_bytes"], "release_bucket_bytes", allow_zero=True)
+    granularity, out["check_granularity"] = resolve_granularity(optimizer, out["granularity"],
                                                                 aliases.get("elementwise"))
     if release and granularity == "step":
         raise ValueError(f"release_gradients=True: {type(optimizer).__name__} is stepped in one call over every "

@@ -29,26 +29,22 @@ VERL_SOURCE = "verl.utils.fsdp_utils"
 virtual_optimizer = oc.unwrap  # the optstate optimizer in a framework's optimizer, or None
 
 
-def _verl_offload(original):
+def _verl_hook(original, switch):
+    """verl's ``original`` helper (``offload_fsdp_optimizer``/``load_fsdp_optimizer``): for an optstate
+    optimizer ``switch(opt)`` instead, for any other optimizer the helper itself."""
     @functools.wraps(original)
-    def offload_fsdp_optimizer(optimizer, *args, **kwargs):
+    def hooked(optimizer, *args, **kwargs):
         opt = virtual_optimizer(optimizer)
         if opt is None:
             return original(optimizer, *args, **kwargs)
-        opt.offload(empty_cache=True)  # the rollout engine takes the memory next
-    offload_fsdp_optimizer.optstate_original = original
-    return offload_fsdp_optimizer
+        switch(opt)
+    hooked.optstate_original = original
+    return hooked
 
 
-def _verl_load(original):
-    @functools.wraps(original)
-    def load_fsdp_optimizer(optimizer, *args, **kwargs):
-        opt = virtual_optimizer(optimizer)
-        if opt is None:
-            return original(optimizer, *args, **kwargs)
-        opt.reload()  # to the parameters' device, which is verl's device_id
-    load_fsdp_optimizer.optstate_original = original
-    return load_fsdp_optimizer
+#: verl's helper -> what it does for an optstate optimizer (the load goes to the parameters' device, verl's device_id)
+_VERL_SWITCHES = {"offload_fsdp_optimizer": lambda opt: opt.offload(empty_cache=True),  # the rollout takes the memory
+                  "load_fsdp_optimizer": lambda opt: opt.reload()}
 
 
 def _nemo_move(original):
@@ -75,11 +71,11 @@ def _hook_verl() -> List[str]:
     if source is None:
         return []
     done = []
-    for name, make in (("offload_fsdp_optimizer", _verl_offload), ("load_fsdp_optimizer", _verl_load)):
+    for name, switch in _VERL_SWITCHES.items():
         original = getattr(source, name, None)
         if original is None or hasattr(original, "optstate_original"):
             continue
-        hooked = make(original)
+        hooked = _verl_hook(original, switch)
         for module_name, module in _modules("verl"):  # the helper and every module that imported it by name
             if vars(module).get(name) is original:
                 setattr(module, name, hooked)

@@ -58,6 +58,11 @@ _GRAD, _DTYPE, _DEVICE, _SHAPE, _LAYOUT = (attrgetter(a) for a in ("grad", "dtyp
 _CONTIGUOUS = methodcaller("is_contiguous")
 
 
+def _option(name: str) -> property:
+    """A read-only engine attribute that is one of its :class:`~optstate_core.options.WrapOptions`."""
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``")
+
+
 class Engine:
     """Holds the state mapping and runs steps for one wrapped optimizer."""
 
@@ -67,19 +72,9 @@ class Engine:
         self.policy = policy
         self.state = StateMap()
         self.step_count = 0
-        self.options = options
-        self.chunk_bytes = options.chunk_bytes
-        self.chunk_size = options.chunk_size
-        self.initial_chunk_size = options.initial_chunk_size
-        self.pin_memory = options.pin_memory
+        self.options = options  # the one record of the options; the properties below read it
         self.pinned = PinnedArena()  # offloaded state's pinned host memory, in whole slabs
-        self.skip_nonfinite = options.skip_nonfinite
-        self.seed = options.seed
-        self.granularity = options.granularity  # see step/granularity.py
-        self.elementwise = options.granularity == "elementwise"
-        self.check_granularity = options.check_granularity  # the user's granularity, checked on the first steps
         self.names = names
-        self.observe_closure_loss = options.observe_closure_loss
         self.metrics = StepMetrics()
         self.transfers = Transfers()
         self.placement = Placement(policy, options.gpu_budget, options.staging_bytes, offload_all=options.offload)
@@ -90,7 +85,6 @@ class Engine:
         self.kernels = KernelLauncher(self, options.stochastic_param_rounding, options.fast_math)
         self.schedule = StepSchedule(self, options.prefetch_budget)
         self.backward_check = BackwardCheck()
-        self.check_in_backward = options.check_in_backward
         self.clip_release = ClipAndRelease(self, options.release_gradients, options.max_grad_norm,
                                                 options.clip_mode, options.release_bucket_bytes)
         if options.release_gradients:
@@ -101,6 +95,21 @@ class Engine:
         self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
         self.park_buffers = ParkBuffers()  # the phase switch's host buffers, kept across parks
         self.told_auto_wake = False  # an update woke parked state: logged once
+
+    chunk_bytes = _option("chunk_bytes")
+    chunk_size = _option("chunk_size")
+    initial_chunk_size = _option("initial_chunk_size")
+    pin_memory = _option("pin_memory")
+    skip_nonfinite = _option("skip_nonfinite")
+    seed = _option("seed")
+    granularity = _option("granularity")  # see step/granularity.py
+    check_granularity = _option("check_granularity")  # the user's granularity, checked on the first steps
+    check_in_backward = _option("check_in_backward")
+    observe_closure_loss = _option("observe_closure_loss")
+
+    @property
+    def elementwise(self) -> bool:
+        return self.options.granularity == "elementwise"
 
     @property
     def prefetch_during_backward(self) -> bool:

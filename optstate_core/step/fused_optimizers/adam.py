@@ -1,4 +1,4 @@
-"""Adam and AdamW (``torch.optim``) on the fused path: ``kernels/adam.py``, with master weights and torch's fused arithmetic."""
+"""Adam and AdamW (``torch.optim``) on the fused path: ``kernels/adam.py``, master weights, torch's fused arithmetic."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,10 @@
-"""What a fused optimizer declares (:class:`FusedOptimizer`) and the plan the fused path makes for one parameter (:class:`FusedPlan`)."""
+"""What a fused optimizer declares (:class:`FusedOptimizer`) and its plan for a parameter (:class:`FusedPlan`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+import torch
 
 from ...state.codecs import Codec, StateKind
 
@@ -20,6 +22,7 @@ class FusedOptimizer:
     forms: Tuple[frozenset, ...] = (MOMENT_FORMS,)  #: each state's allowed kernel forms (the last repeats)
     master_weights = False  #: the kernel has the master-weight path (bf16 parameters + corr16/corr8)
     loops = False  #: its programs loop over the launch shape's ITERS tiles
+    tensor_lr = True  #: the kernel reads a tensor lr (False: a float lr only)
 
     def matches(self, inner) -> bool:
         """Whether this entry steps ``inner`` (the wrapped torch optimizer)."""
@@ -31,6 +34,8 @@ class FusedOptimizer:
 
     def refusal(self, inner, group: dict) -> Optional[str]:
         """Why ``group``'s parameters go the reference path (the reason logged once), or None."""
+        if not self.tensor_lr and isinstance(group["lr"], torch.Tensor):
+            return f"{type(inner).__name__} with a tensor lr"
         return None
 
     def allows(self, kinds: Tuple[StateKind, ...]) -> bool:

@@ -1,8 +1,6 @@
 """lion-pytorch's ``Lion`` on the fused path: ``kernels/lion.py`` on its momentum."""
 from __future__ import annotations
 
-import torch
-
 from ..granularity import qualified_name
 from .base import FusedOptimizer
 
@@ -20,12 +18,10 @@ class Lion(FusedOptimizer):
 
     name = "lion"
     keys = ("exp_avg",)
+    tensor_lr = False
 
     def matches(self, inner) -> bool:
         return is_lion(inner)
-
-    def refusal(self, inner, group):
-        return f"{type(inner).__name__} with a tensor lr" if isinstance(group["lr"], torch.Tensor) else None
 
     def kernel(self):
         from ..kernels.lion import lion_kernel

@@ -5,8 +5,6 @@ each group's scalars from ``KernelLauncher.group_scalars``.
 """
 from __future__ import annotations
 
-import torch
-
 from ...state.codecs import StateKind
 from ..schedule_free import is_schedule_free_adamw
 from .base import MOMENT_FORMS, FusedOptimizer
@@ -17,13 +15,11 @@ class ScheduleFreeAdamW(FusedOptimizer):
 
     name = "schedule_free"
     keys = ("z", "exp_avg_sq")
+    tensor_lr = False
     forms = (frozenset({StateKind.FP32, StateKind.BF16, StateKind.FP24}), MOMENT_FORMS)
 
     def matches(self, inner) -> bool:
         return is_schedule_free_adamw(inner)
-
-    def refusal(self, inner, group):
-        return f"{type(inner).__name__} with a tensor lr" if isinstance(group["lr"], torch.Tensor) else None
 
     def kernel(self):
         from ..kernels.schedule_free import schedule_free_adamw_kernel
