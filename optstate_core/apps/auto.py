@@ -29,7 +29,7 @@ from ..state.pinned import FAST_PINNING
 from ..state.units import parse_bytes
 from .chunked_loss import has_chunked_loss
 from .model_shapes import checkpointed_activation_bytes
-from .plan import DTYPES, RELEASE_BUCKET_BYTES, _hints, gib, make_plan
+from .plan import DTYPES, RELEASE_BUCKET_BYTES, hints, gib, make_plan
 from .recipe import CANDIDATES, DEFAULT_SEQ, PLANNED, pick
 
 log = logging.getLogger("optstate.auto")
@@ -119,7 +119,7 @@ def choose(model, *, params: Optional[Sequence[torch.Tensor]] = None, device=Non
     row = pick(plan, candidates)
     if row is None:
         raise ValueError(f"model: no preset fits its {plan.n_params / 1e9:.3f}B {dtype} parameters in "
-                         f"{gib(cap)} at micro-batch {micro_batch} x {seq_len}: " + "; ".join(_hints(plan)))
+                         f"{gib(cap)} at micro-batch {micro_batch} x {seq_len}: " + "; ".join(hints(plan)))
     if frozen:
         notes.append(f"frozen parameters {gib(frozen)} counted")
     _allocator_notes(device, row.state.host > 0, notes)

@@ -326,7 +326,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"fits: {', '.join(fitting)}")
         lines.append(f"pick: {_how_to_wrap(best, plan)}")
     else:
-        lines.append("nothing fits: " + "; ".join(_hints(plan)))
+        lines.append("nothing fits: " + "; ".join(hints(plan)))
     lines.append(f"copy time = state in host memory / {plan.pcie_bytes_per_s / 1e9:.0f} GB/s each way (--pcie-gbps): "
                  "a step's floor when backward cannot hide the copies; larger batches (and gradient accumulation, "
                  "where the gradients fit) hide more of it. The staging ring (256 MiB) counts in rows with host state, "
@@ -349,7 +349,7 @@ def _how_to_wrap(row: PlanRow, plan: Plan) -> str:
     return f"{row.name}: {cast}optstate_core.wrap(optimizer, {', '.join(options)})"
 
 
-def _hints(plan: Plan) -> List[str]:
+def hints(plan: Plan) -> List[str]:
     """What could make something fit, given what was already asked for."""
     out = []
     if plan.activations:

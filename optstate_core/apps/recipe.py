@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .model_shapes import checkpointed_activation_bytes, config_shapes
-from .plan import BUDGET_PRESET, PCIE_BYTES_PER_S, Plan, PlanRow, _hints, _how_to_wrap, gib, make_plan
+from .plan import BUDGET_PRESET, PCIE_BYTES_PER_S, Plan, PlanRow, hints, _how_to_wrap, gib, make_plan
 
 log = logging.getLogger("optstate.plan")
 
@@ -196,7 +196,7 @@ def format_recipe(r: Recipe) -> str:
             "activation checkpointing")
     if r.preset is None:
         return "\n".join([head, "", "nothing fits at micro-batch 1 with the fused (chunked) loss: "
-                          + "; ".join(_hints(r.first))])
+                          + "; ".join(hints(r.first))])
     lines = [head, "", f"preset: {r.preset} (of {', '.join(CANDIDATES)} that fit at micro-batch 1 with the fused "
              "loss, the most tokens/s expected at its largest micro-batch)", "",
              "| micro-batch | activations, plain loss | GPU total | fits | activations, fused loss | GPU total | fits |",
