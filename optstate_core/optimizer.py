@@ -1,7 +1,6 @@
 """VirtualOptimizer: any torch optimizer, with its state compressed and/or offloaded."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable, Optional
 
@@ -131,7 +130,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         self._engine = engine
         self.state = engine.state
         optimizer.state = engine.state
-        install_session_methods(engine)  # train(), eval(), ...: they see their decoded state
+        install_session_methods(engine.ctx, engine.tiled, engine.sync_transfers)  # train(), eval(), ...: decoded state
         warn_about_checkpoint_overrides(optimizer)
         if options.release_gradients:  # hooks on every parameter (without release: when offloaded state is planned)
             follow_parameters(engine, defer_data_parallel=True)
@@ -141,7 +140,8 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
                 engine.conform()
         else:  # offloaded state's pinned memory: pinned on a thread while the first forward runs
             pin_ahead.start(engine)
-        compile_ahead.start(engine)  # the first step's step-count kernels: compiled on a thread (CUDA)
+        if engine.fused.mode is not False and engine.kernels.compile_ahead:
+            compile_ahead.start(optimizer)  # the first step's step-count kernels: compiled on a thread (CUDA)
 
     # -- torch.optim.Optimizer API -------------------------------------------------------------
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -275,7 +275,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
 
     def _set_option(self, **values) -> None:
         """Record an option changed after wrap() (``options`` and ``memory_report()`` show it)."""
-        self._engine.options = dataclasses.replace(self._engine.options, **values)
+        self._engine.replace_options(**values)
 
     def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
                            check_only: bool = False) -> bool:

@@ -45,3 +45,18 @@ def test_no_core_function_over_80_lines():
                 if not kernel:
                     long.append(f"{p.relative_to(ROOT)}:{node.name}")
     assert not long, long
+
+
+def test_step_paths_are_given_seams_not_the_engine():
+    """The step paths (``step/``) receive a StepContext and the typed seams they use, never the
+    engine: no parameter, variable or attribute named ``engine`` there (prose in docstrings aside)."""
+    import ast
+
+    found = []
+    for p in (ROOT / "optstate_core" / "step").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.arg) and node.arg == "engine" or \
+                    isinstance(node, ast.Name) and node.id == "engine" or \
+                    isinstance(node, ast.Attribute) and node.attr in ("engine", "_engine"):
+                found.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found

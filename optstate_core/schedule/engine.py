@@ -18,6 +18,7 @@ form from :mod:`~optstate_core.schedule.conform`. A plan that nothing invalidate
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from itertools import chain, repeat
@@ -41,9 +42,10 @@ from ..step.inner import group_signature, run_inner
 from ..step.schedule_free import advance_groups, fused_step_applies, plan_fused_step
 from ..step.session import run_whole_step
 from ..step.router import Router
+from ..step.context import StepContext
 from .placement import Placement
 from .release import ClipAndRelease
-from ..policy import ParamInfo, Policy
+from ..policy import Policy
 from .timetable import StepSchedule
 from ..state.pinned import PinnedArena
 from ..state.store import StateMap
@@ -58,6 +60,12 @@ _GRAD, _DTYPE, _DEVICE, _SHAPE, _LAYOUT = (attrgetter(a) for a in ("grad", "dtyp
 _CONTIGUOUS = methodcaller("is_contiguous")
 
 
+def _shared(name: str) -> property:
+    """An engine attribute kept in its :class:`StepContext` (read and set there)."""
+    return property(lambda self: getattr(self.ctx, name), lambda self, value: setattr(self.ctx, name, value),
+                    doc=f"``ctx.{name}``")
+
+
 def _option(name: str) -> property:
     """A read-only engine attribute that is one of its :class:`~optstate_core.options.WrapOptions`."""
     return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``")
@@ -70,19 +78,17 @@ class Engine:
         """``options``: the wrapper's validated :class:`~optstate_core.options.WrapOptions`."""
         self.inner = inner
         self.policy = policy
-        self.state = StateMap()
-        self.step_count = 0
-        self.options = options  # the one record of the options; the properties below read it
+        # what the step paths are given (step/context.py): the state, the options (the one record:
+        # the properties below read it), the step count and the metrics live there
+        self.ctx = ctx = StepContext(inner, StateMap(), policy, options, names)
         self.pinned = PinnedArena()  # offloaded state's pinned host memory, in whole slabs
-        self.names = names
-        self.metrics = StepMetrics()
         self.transfers = Transfers()
         self.placement = Placement(policy, options.gpu_budget, options.staging_bytes, offload_all=options.offload)
         self.conformer = Conformer(self)
-        self.tiled = TiledStep(self)
-        self.fused = FusedPath(self, options.fused)
-        self.router = Router(self)
-        self.kernels = KernelLauncher(self, options.stochastic_param_rounding, options.fast_math)
+        self.tiled = TiledStep(ctx, self.conformer, self.transfers)
+        self.fused = FusedPath(ctx, self.placement, self.pinned, options.fused)
+        self.router = Router(ctx, self.conformer, self.placement, self.fused)
+        self.kernels = KernelLauncher(ctx, options.stochastic_param_rounding, options.fast_math)
         self.schedule = StepSchedule(self, options.prefetch_budget)
         self.backward_check = BackwardCheck()
         self.clip_release = ClipAndRelease(self, options.release_gradients, options.max_grad_norm,
@@ -95,7 +101,13 @@ class Engine:
         self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
         self.park_buffers = ParkBuffers()  # the phase switch's host buffers, kept across parks
         self.told_auto_wake = False  # an update woke parked state: logged once
+        self.param_forms = {}  # parameter -> (dtype, device) at its last step (schedule/follow.py)
 
+    state = property(lambda self: self.ctx.store, doc="The state mapping (``ctx.store``).")
+    names = property(lambda self: self.ctx.names, doc="Parameter names by id (``ctx.names``).")
+    step_count = _shared("step_count")
+    metrics = _shared("metrics")
+    options = _shared("options")
     chunk_bytes = _option("chunk_bytes")
     chunk_size = _option("chunk_size")
     initial_chunk_size = _option("initial_chunk_size")
@@ -132,20 +144,11 @@ class Engine:
     # -- the parameters, as they are now ------------------------------------------------------
     def param_infos(self):
         """``(param, ParamInfo)`` for every parameter of the live groups, in checkpoint order."""
-        index = 0
-        for gi, group in enumerate(self.inner.param_groups):
-            names = group.get("param_names")
-            for j, p in enumerate(group["params"]):
-                name = names[j] if names and j < len(names) else self.name_of(p)
-                yield p, ParamInfo(index, gi, tuple(p.shape), p.dtype, name)
-                index += 1
+        return self.ctx.param_infos()
 
     def name_of(self, p) -> Optional[str]:
         """``wrap(named_parameters=...)`` first, then names the policy learned (``bind_names``)."""
-        name = self.names.get(id(p))
-        if name is None and hasattr(self.policy, "name_of"):
-            name = self.policy.name_of(p)
-        return name
+        return self.ctx.name_of(p)
 
     def drop_nonfinite(self, works):
         """The works (or CPU plans) whose gradients are finite; the others are counted and reported."""
@@ -183,16 +186,16 @@ class Engine:
         """Granularity ``"step"``: schedule-free AdamW's kernel over every parameter when it applies
         (a cached plan reused while it holds), else the optimizer's own step on lent state; returns
         the buckets to launch."""
-        applies = fused_step_applies(self)
+        applies = fused_step_applies(self.inner, self.fused)
         signature = self._signature() if applies else None
         cached = self._cached_plan(signature) if applies else None
         if cached is not None:
             buckets = cached[0]
         else:
             follow_params(self)
-            buckets = plan_fused_step(self) if applies else None
+            buckets = plan_fused_step(self.ctx, self.placement, self.fused) if applies else None
             if buckets is None:
-                run_whole_step(self)
+                run_whole_step(self.ctx, self.placement, self.tiled, self.drop_nonfinite, self.sync_transfers)
             remember_params(self)
             if buckets is None:
                 return []
@@ -239,7 +242,8 @@ class Engine:
         self.placement.assign_residency(works, self.step_count)
         routes = self.router.route(works)
         passthrough = routes.passthrough
-        on_device = passthrough_skip.applies(self, [(w.key, w.state, w.info.group_index) for w in passthrough])
+        items = [(w.key, w.state, w.info.group_index) for w in passthrough]
+        on_device = passthrough_skip.applies(self.inner, self.skip_nonfinite, items)
         self._check_in_backward([w.key for w in passthrough] if on_device and passthrough[0].key.is_cuda else [])
         items = self.run_unfused(routes, on_device)
         fused, passthrough, cpu_plans, tiled = routes.fused, routes.passthrough, routes.cpu, routes.tiled
@@ -294,7 +298,7 @@ class Engine:
         if list(map(_SHAPE, grads)) != shapes or list(map(_DTYPE, grads)) != dtypes or \
                 list(map(_LAYOUT, grads)).count(torch.strided) != len(grads) or not all(map(_CONTIGUOUS, grads)):
             return None
-        if cpu_plans and not groups_still_eligible(self, cpu_plans):
+        if cpu_plans and not groups_still_eligible(self.inner, cpu_plans):
             return None
         checked = ([] if on_device else [p.grad for p, _, _ in items]) + [c.grad for c in cpu_plans]
         if checked and self.skip_nonfinite and not all_finite(checked):
@@ -323,7 +327,7 @@ class Engine:
     def _run_cpu_and_passthrough(self, cpu_plans, items, on_device: bool) -> None:
         """The CPU fast path's parameters, then the passthrough ones (timed): the CPU path first,
         so a bad ``OPTSTATE_CPU_*`` setting is refused before any update."""
-        run_cpu_plans(self, cpu_plans)
+        run_cpu_plans(self.ctx, cpu_plans)
         if items:
             t = time.perf_counter()
             self._run_passthrough(items, on_device)
@@ -333,7 +337,7 @@ class Engine:
         """The inner optimizer's own step on uncompressed parameters; NaN/inf skipped on the device
         when ``on_device`` (:mod:`~optstate_core.step.passthrough_skip`), else already dropped by the caller."""
         if on_device:
-            passthrough_skip.run(self, items)
+            passthrough_skip.run(self.inner, self.state, self.backward_check, self.kernels, items)
         else:
             run_inner(self.inner, items, self.state)
 
@@ -381,6 +385,10 @@ class Engine:
                         total)
         self._nonfinite_reported = total
         return total
+
+    def replace_options(self, **values) -> None:
+        """Options changed after wrap() (validated by the caller): a new record replaces the old one."""
+        self.ctx.options = dataclasses.replace(self.ctx.options, **values)
 
     def restore_nonfinite_count(self, count: int) -> None:
         """Set the NaN/inf skip count (from a checkpoint); the device counter starts again."""

@@ -34,10 +34,7 @@ log = logging.getLogger("optstate")
 def _forms(engine) -> Dict[torch.Tensor, Tuple[torch.dtype, torch.device]]:
     """Parameter -> (dtype, device) at its last step; keyed by the tensor like ``optimizer.state``,
     so it survives deepcopy and pickle along with the parameters."""
-    forms = engine.__dict__.get("param_forms")
-    if forms is None:
-        forms = engine.param_forms = {}
-    return forms
+    return engine.param_forms
 
 
 def remember_params(engine) -> None:

@@ -1,5 +1,8 @@
 """The step paths: what one update *does* to a parameter and its state.
 
+* ``context.py``       what the paths are given: the StepContext (optimizer, state, policy,
+                       options, step count, metrics) and the typed seams onto the schedule room
+                       (Residency, Conformance, Transfers); never the engine
 * ``work.py``          a parameter's unit of work, its tiles, the step's metrics
 * ``gradients.py``     gradient validation before a step (transactional), NaN/inf flags
 * ``inner.py``         the wrapped torch optimizer's own update on chosen tensors

@@ -47,6 +47,7 @@ import torch
 
 from ..state.codecs import EncodedTensor
 from ..state.codecs.rounding import RoundingContext, state_seed, stream_key
+from .context import Residency, StepContext
 from .cpu_compile import inductor_backend, mark_sizes, note_compile, shape_config
 from ..state.dtensor import is_dtensor
 from .inner import decoupled_decay
@@ -217,7 +218,7 @@ def _group_ok(inner: torch.optim.Optimizer, group: dict) -> Optional[str]:
     return None
 
 
-def _eligible(engine, w) -> bool:
+def _eligible(ctx: StepContext, residency: Residency, w) -> bool:
     p, g = w.param, w.grad
     if p.device.type != "cpu" or p.dtype != torch.float32 or g is None or g.dtype != torch.float32:
         return False
@@ -229,8 +230,8 @@ def _eligible(engine, w) -> bool:
         value = w.state[key]
         if not isinstance(value, EncodedTensor) or value.shape != p.shape or not value.payload_contiguous():
             return False
-        codec = engine.codec_of(w, key)
-        if not matches(value, codec, engine.tier_of(w, key) == "host", p.device):
+        codec = residency.codec_of(w, key, ctx.step_count)
+        if not matches(value, codec, residency.tier_of(w, key, ctx.step_count) == "host", p.device):
             return False
     return True
 
@@ -252,16 +253,16 @@ class CpuPlan:
     __slots__ = ("key", "param", "state", "info", "flags", "rows", "width", "rows_per_call", "m_rows", "v_rows",
                  "seeds", "offset")
 
-    def __init__(self, engine, w, group, width):
+    def __init__(self, ctx: StepContext, w, group, width):
         self.key, self.param, self.state, self.info = w.key, w.param, w.state, w.info
         self.width = width
         self.rows = w.rows * w.cols // width
-        self.rows_per_call = max(1, engine.chunk_bytes // (MATERIALIZED * width))
+        self.rows_per_call = max(1, ctx.options.chunk_bytes // (MATERIALIZED * width))
         m_enc, v_enc = w.state["exp_avg"], w.state["exp_avg_sq"]
         kind = (m_enc.codec, v_enc.codec, bool(group.get("maximize")), w.offset + w.rows * w.cols <= 1 << 32)
         self.flags = kind + (_class_width(kind, width),)
         self.m_rows, self.v_rows = _payload_rows(m_enc.payload, self.rows), _payload_rows(v_enc.payload, self.rows)
-        self.seeds = [_seed(engine, w.info.index, key, enc.codec) for key, enc in zip(ADAM_KEYS, (m_enc, v_enc))]
+        self.seeds = [_seed(ctx.options.seed, w.info.index, key, enc.codec) for key, enc in zip(ADAM_KEYS, (m_enc, v_enc))]
         self.offset = w.offset
 
     @property
@@ -269,12 +270,12 @@ class CpuPlan:
         return self.key.grad
 
 
-def plan_cpu_fast(engine, works: List) -> Tuple[List[CpuPlan], List]:
+def plan_cpu_fast(ctx: StepContext, residency: Residency, works: List) -> Tuple[List[CpuPlan], List]:
     """The plans of the works this path can take (Adam/AdamW, CPU, encoded state) and the rest,
     for the tiled reference path. Nothing is stepped yet."""
     if not works or not enabled():
         return [], works
-    inner = engine.inner
+    inner = ctx.inner
     rest, plans = [], []
     for w in works:
         group = inner.param_groups[w.info.group_index]
@@ -284,20 +285,19 @@ def plan_cpu_fast(engine, works: List) -> Tuple[List[CpuPlan], List]:
             rest.append(w)
             continue
         width = slab_width(w.cols)
-        if not _eligible(engine, w) or MATERIALIZED * width > engine.chunk_bytes:  # a row over chunk_bytes: tiled
+        if not _eligible(ctx, residency, w) or MATERIALIZED * width > ctx.options.chunk_bytes:  # a row over chunk_bytes: tiled
             rest.append(w)
             continue
-        plans.append(CpuPlan(engine, w, group, width))
+        plans.append(CpuPlan(ctx, w, group, width))
     return plans, rest
 
 
-def groups_still_eligible(engine, plans: List[CpuPlan]) -> bool:
+def groups_still_eligible(inner, plans: List[CpuPlan]) -> bool:
     """Whether the groups of cached plans still allow this path (options may change between steps)."""
-    inner = engine.inner
     return all(_group_ok(inner, inner.param_groups[i]) is None for i in {plan.info.group_index for plan in plans})
 
 
-def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
+def run_cpu_plans(ctx: StepContext, plans: List[CpuPlan]) -> None:
     """One step of the planned parameters (their gradients checked already): row slices of the
     same codecs and shape class in batches (:func:`_batches`), then each parameter's step count."""
     if not plans:
@@ -305,7 +305,7 @@ def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
     size, mode = batch_size(), compile_mode()  # settings first: a bad one is refused before any write
     after = compile_after() if mode == "auto" else None
     t0 = time.perf_counter()
-    inner, metrics = engine.inner, engine.metrics
+    inner, metrics = ctx.inner, ctx.metrics
     by_class: Dict[tuple, List[_Slice]] = {}
     hypers: Dict[tuple, list] = {}  # the scalars of a group at a step count, computed once
     for plan in plans:
@@ -313,11 +313,11 @@ def run_cpu_plans(engine, plans: List[CpuPlan]) -> None:
         hyper = hypers.get((plan.info.group_index, step))
         if hyper is None:
             hyper = hypers[plan.info.group_index, step] = _hyper(inner, group, step)
-        by_class.setdefault(plan.flags, []).extend(_slices(engine, plan, hyper))
+        by_class.setdefault(plan.flags, []).extend(_slices(ctx.step_count, plan, hyper))
     with torch.no_grad(), shape_config():
         for flags, parts in by_class.items():
             run = _Runner(flags, size, mode, after)
-            for batch in _batches(parts, engine.chunk_bytes, size):
+            for batch in _batches(parts, ctx.options.chunk_bytes, size):
                 run(batch)
                 metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, sum(s.nbytes for s in batch))
             metrics.chunks += len(parts)
@@ -333,11 +333,11 @@ def _hyper(inner, group, step: float) -> List[float]:
                         float(group["weight_decay"]), step, decoupled_decay(inner, group))
 
 
-def _slices(engine, plan: CpuPlan, hyper: List[float]) -> List[_Slice]:
+def _slices(step: int, plan: CpuPlan, hyper: List[float]) -> List[_Slice]:
     """The row slices of one parameter this step, each slice's decoded state (m and v in fp32,
     ``MATERIALIZED`` bytes per element) under ``chunk_bytes``."""
     width, rows, per_call = plan.width, plan.rows, plan.rows_per_call
-    keys = [0 if seed is None else stream_key(seed, engine.step_count) for seed in plan.seeds]
+    keys = [0 if seed is None else stream_key(seed, step) for seed in plan.seeds]
     p, g = plan.param.detach().view(rows, width), plan.key.grad.detach().view(rows, width)
     if rows <= per_call:  # the whole parameter in one slice (the common case)
         return [_Slice(p, g, plan.m_rows, plan.v_rows, hyper, keys + [plan.offset], rows * MATERIALIZED * width)]
@@ -439,6 +439,6 @@ def _class_width(kind: tuple, width: int) -> Optional[int]:
     return None
 
 
-def _seed(engine, index: int, key: str, codec) -> Optional[int]:
+def _seed(seed: int, index: int, key: str, codec) -> Optional[int]:
     """The rounding stream seed of one state (None: the codec rounds to nearest)."""
-    return state_seed(engine.seed, index, key) if codec.stochastic_rounding else None
+    return state_seed(seed, index, key) if codec.stochastic_rounding else None

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .bucket import Bucket, aligned_layout
+from .context import Residency, StepContext
 from ..state.codecs import EncodedTensor, StateKind
 from ..state.dtensor import is_dtensor, like_param, local
 from .fused_launch import P_KINDS
@@ -26,6 +27,7 @@ from .fused_optimizers import FusedPlan, entry_for, no_kernel
 from .kernels import interpreting, triton_error
 from .kernels.launch import MAX_TENSORS
 from ..state.master_weights import MASTER_KEY
+from ..state.pinned import PinnedArena
 from ..state.store import allocate_many
 from ..state import master_weights
 
@@ -49,8 +51,8 @@ def first_step_states(plan: FusedPlan, param_dtype: torch.dtype) -> List[tuple]:
 class FusedPath:
     """Eligibility of parameters for the kernels, and their grouping into buckets."""
 
-    def __init__(self, engine, mode: Optional[bool]):
-        self.engine = engine
+    def __init__(self, ctx: StepContext, residency: Residency, pinned: PinnedArena, mode: Optional[bool]):
+        self.ctx, self.residency, self.pinned = ctx, residency, pinned
         self.mode = mode
         self._logged = set()
         self._quiet = False
@@ -81,7 +83,7 @@ class FusedPath:
         state goes to torch's own implementation unless ``allow_uncompressed``."""
         if self.mode is False:
             return None
-        p, inner = w.param, self.engine.inner
+        p, inner, step = w.param, self.ctx.inner, self.ctx.step_count
         if not self.kernel_device(p):
             return self._fallback(f"parameters on {p.device.type} (the fused kernels need CUDA)")
         if triton_error():
@@ -99,7 +101,7 @@ class FusedPath:
         if reason is not None:
             return self._fallback(reason)
         keys = entry.state_keys(group)
-        codecs = [self.engine.codec_of(w, k) for k in keys]
+        codecs = [self.residency.codec_of(w, k, step) for k in keys]
         kinds = [c.kernel_form for c in codecs]
         if any(k is None for k in kinds):
             return self._fallback(f"codec {codecs[kinds.index(None)]!r} has no kernel")
@@ -108,10 +110,10 @@ class FusedPath:
                                   "fp32, bf16 or fp24, the moments no fp24)")
         # per state (moments, then the correction): in host memory (streamed through the staging
         # ring each step) or resident; a parameter may mix both (e.g. a host-tier correction)
-        host = tuple(self.engine.tier_of(w, k) == "host" for k in keys + ((MASTER_KEY,) if master else ()))
+        host = tuple(self.residency.tier_of(w, k, step) == "host" for k in keys + ((MASTER_KEY,) if master else ()))
         offload = any(host)
         row = self._row_bytes(w, codecs + ([master_codec] if master else []), host) if offload else 0
-        if offload and row > self.engine.placement.staging_size(p.device) // 2:  # streamed rows: one fits a chunk
+        if offload and row > self.residency.staging_size(p.device) // 2:  # streamed rows: one fits a chunk
             return self._fallback("one row of a parameter's state is larger than half the staging ring "
                                   "(raise staging_bytes)")
         first = all(w.state.get(k) is None for k in keys)
@@ -126,11 +128,11 @@ class FusedPath:
             return None  # uncompressed: torch's own implementation (passthrough) is exact
         return FusedPlan(entry, keys, tuple(codecs), tuple(kinds), first, offload, host, master,
                          master_codec if master else None,
-                         entry.torch_fused(self.engine, group, p, kinds, master, offload))
+                         entry.torch_fused(inner, group, p, kinds, master, offload))
 
     def _refusal(self, w, entry, group) -> Optional[str]:
         """Why the kernel cannot take this parameter of ``group`` whatever its state, or None."""
-        p, inner = w.param, self.engine.inner
+        p, inner = w.param, self.ctx.inner
         if group.get("differentiable"):
             return "differentiable=True"
         reason = entry.refusal(inner, group)
@@ -148,12 +150,12 @@ class FusedPath:
     def _master(self, w, entry) -> tuple:
         """``(bits, correction codec, None)`` of the parameter's master weights (``(0, None, None)``:
         none), or ``(0, None, reason)`` when the kernel cannot keep them."""
-        master_codec = self.engine.policy.master_codec(w.info)
+        master_codec = self.ctx.policy.master_codec(w.info)
         if master_codec is None:
             return 0, None, None
         if not entry.master_weights or w.param.dtype != torch.bfloat16 or master_codec.name not in MASTER_BITS:
             return 0, None, "master weights other than Adam/AdamW on bf16 parameters with a corr16/corr8 correction"
-        master_codec = self.engine.codec_of(w, MASTER_KEY)
+        master_codec = self.residency.codec_of(w, MASTER_KEY, self.ctx.step_count)
         master = MASTER_BITS.get(master_codec.name)
         if master is None:
             return 0, None, f"master-weight correction codec {master_codec!r} has no kernel"
@@ -213,26 +215,21 @@ class FusedPath:
             self._allocate_missing(ws, plan)
             storages = [self._storage(w, plan) for w in ws]
             for w in ws:
-                self.engine.state[w.key] = w.state
+                self.ctx.store[w.key] = w.state
             buckets.append(Bucket(ws, storages, plan))
         # the largest launch first: the device starts on the bulk of the step while the host queues the rest
         return sorted(buckets, key=lambda b: -sum(p.numel() for p in b.params))
 
-    def pins(self, param) -> bool:
-        """Whether this parameter's host-tier state is pinned (``pin_memory``; by default on CUDA)."""
-        pin_memory = self.engine.pin_memory
-        return pin_memory if pin_memory is not None else param.device.type == "cuda"
-
     def _allocate_missing(self, ws, plan) -> None:
         """First step: one allocation per state key for the whole bucket (pinned host memory
         for offloaded state)."""
-        pin = self.pins(ws[0].param)
+        pin = self.ctx.pins(ws[0].param)
         for key, codec, dtype, on_host in first_step_states(plan, ws[0].param.dtype):
             missing = [w for w in ws if w.state.get(key) is None]
             if not missing:
                 continue
             values = allocate_many(codec, [w.param.shape for w in missing], dtype, missing[0].param.device,
-                                   host=on_host, pin_memory=on_host and pin, arena=self.engine.pinned)
+                                   host=on_host, pin_memory=on_host and pin, arena=self.pinned)
             for w, value in zip(missing, values):
                 if key == MASTER_KEY:  # the correction starts from what cast_model dropped, else zero
                     self._seed_correction(w, value, codec)

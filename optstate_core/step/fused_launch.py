@@ -15,6 +15,7 @@ import torch
 
 from ..state.codecs.rounding import state_seed
 from ..state.units import env_count
+from .context import StepContext
 from .kernels import compile_ahead, launch
 
 P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -88,8 +89,8 @@ def fast_math_default() -> bool:
 class KernelLauncher:
     """Launches the Triton kernels over buckets; counts NaN/inf skips on the device."""
 
-    def __init__(self, engine, stochastic_param_rounding: bool, fast_math: bool = True):
-        self.engine = engine
+    def __init__(self, ctx: StepContext, stochastic_param_rounding: bool, fast_math: bool = True):
+        self.ctx = ctx
         self.stochastic_param_rounding = stochastic_param_rounding
         self._skipped: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
         self._flags = []  # this step's launches' flags, added to the counter once (end_step)
@@ -111,7 +112,7 @@ class KernelLauncher:
         from it). Set from the host only when the host count moved without it (first use, a loaded
         checkpoint); otherwise :meth:`end_step` advances it on the device, inside a captured graph too."""
         entry = self._step_counts.get(device)
-        host = self.engine.step_count
+        host = self.ctx.step_count
         if entry is None:
             entry = self._step_counts[device] = [torch.zeros((), dtype=torch.int64, device=device), None]
         if entry[1] != host:
@@ -155,7 +156,7 @@ class KernelLauncher:
         add the step's raised flags to the skip counter (three launches a step, not two a launch)."""
         self._fold_flags()
         for entry in self._step_counts.values():
-            if entry[1] == self.engine.step_count:
+            if entry[1] == self.ctx.step_count:
                 entry[0].add_(1)
                 entry[1] += 1
 
@@ -163,7 +164,7 @@ class KernelLauncher:
         """Zeroed per-parameter flags that the kernels raise for a parameter with a block skipped
         for a non-finite gradient (None when unchecked). No pre-pass, no host synchronisation, no
         collective: each rank decides for the blocks it holds (README: NaN/inf gradients)."""
-        if not self.engine.skip_nonfinite:
+        if not self.ctx.options.skip_nonfinite:
             return None
         return torch.zeros(len(bucket.params), dtype=torch.int32, device=bucket.params[0].device)
 
@@ -186,8 +187,8 @@ class KernelLauncher:
         per-parameter NaN/inf flags (streamed chunks, counted by the caller); otherwise the
         launch has and counts its own. ``advance``: the step counts too (streamed pieces leave
         that to :meth:`advance_steps` after the last piece)."""
-        engine, entry, n = self.engine, bucket.plan.optimizer, len(bucket.params)
-        check, device = engine.skip_nonfinite, bucket.params[0].device
+        entry, n, metrics = bucket.plan.optimizer, len(bucket.params), self.ctx.metrics
+        check, device = self.ctx.options.skip_nonfinite, bucket.params[0].device
         # a piece bucket over the parent's parameters in its order raises the parent's flags itself
         # (the kernels only ever store 1: the same as the scatter's maximum of fresh flags)
         direct = check and flags is not None and bucket.parent_order
@@ -199,15 +200,15 @@ class KernelLauncher:
         elif check and not direct:  # a streamed piece: raise its parameter's flag (the caller counts them)
             flags.scatter_reduce_(0, bucket.param_index(device), ctx.flags, "amax")
         bucket.first = False if advance else bucket.first
-        engine.metrics.fused_params += n if advance else 0
-        engine.metrics.kernel_launches += 1
+        metrics.fused_params += n if advance else 0
+        metrics.kernel_launches += 1
 
     def _context(self, bucket, parent_flags, direct: bool, advance: bool) -> "Launch":
         """What the update kernels' launch over ``bucket`` shares: its shape, tables, this launch's
         NaN/inf flags (the parent's with ``direct``) and the constexprs every kernel takes."""
-        plan, params, check = bucket.plan, bucket.params, self.engine.skip_nonfinite
+        plan, params, check = bucket.plan, bucket.params, self.ctx.options.skip_nonfinite
         device, n = params[0].device, len(params)
-        group = self.engine.inner.param_groups[bucket.group_index]
+        group = self.ctx.inner.param_groups[bucket.group_index]
         nblk, warps, iters, maxnreg = launch_shape(plan, self.shapes)
         iters = loops_for(bucket.tiles, nblk, iters, warps, device)
         memo, memo_key = bucket.memo(device), ("launch", nblk * iters)  # per-bucket constants, kept with the bucket
@@ -254,7 +255,7 @@ class KernelLauncher:
         for i in indices:
             for name in names:
                 if (i, name) not in cache:
-                    cache[(i, name)] = state_seed(self.engine.seed, i, name)
+                    cache[(i, name)] = state_seed(self.ctx.options.seed, i, name)
                 out.append(cache[(i, name)])
         return out
 

@@ -10,21 +10,24 @@ Gradients already checked during backward (:mod:`~optstate_core.step.backward_ch
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, TYPE_CHECKING
 
 import torch
 
 from ..state.dtensor import any_distributed
+from .backward_check import BackwardCheck
 from .gradients import GRAD_OVERFLOW
 from .inner import run_inner
 
+if TYPE_CHECKING:  # annotations only
+    from .fused_launch import KernelLauncher
 
-def applies(engine, items: List[tuple]) -> bool:
+
+def applies(inner, skip_nonfinite: bool, items: List[tuple]) -> bool:
     """Whether ``items`` ((param, state, group index) of a passthrough call) can be skipped on the
     device: NaN/inf skipping on, a fused torch Adam/AdamW, one device, no DTensor (sharded
     parameters agree across ranks through the reference path) and no caller-set found_inf."""
-    inner = engine.inner
-    if not engine.skip_nonfinite or not items or type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+    if not skip_nonfinite or not items or type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     if getattr(inner, "found_inf", None) is not None or getattr(inner, "grad_scale", None) is not None:
         return False
@@ -34,13 +37,13 @@ def applies(engine, items: List[tuple]) -> bool:
     return len(devices) == 1 and not any_distributed([p for p, _, _ in items])
 
 
-def run(engine, items: List[tuple]) -> None:
+def run(inner, store, backward_check: BackwardCheck, kernels: KernelLauncher, items: List[tuple]) -> None:
     """Step ``items`` with torch's fused kernel, skipped as a whole on the device when a gradient
-    is not finite; adds the skipped parameters to the kernels' device counter."""
-    inner = engine.inner
-    known, unknown = engine.backward_check.split([p for p, _, _ in items])
+    is not finite (the maxima ``backward_check`` took in backward, else read now); adds the skipped
+    parameters to the kernels' device counter."""
+    known, unknown = backward_check.split([p for p, _, _ in items])
     if not known and not unknown:
-        run_inner(inner, items, engine.state)
+        run_inner(inner, items, store)
         return
     if unknown:
         known.append(torch.stack(torch._foreach_norm(unknown, float("inf"))).float())
@@ -48,7 +51,7 @@ def run(engine, items: List[tuple]) -> None:
     found_inf = (~(maxima < GRAD_OVERFLOW)).any().to(torch.float32)  # NaN too
     inner.found_inf = found_inf
     try:
-        run_inner(inner, items, engine.state)
+        run_inner(inner, items, store)
     finally:
         del inner.found_inf
-    engine.kernels.add_skipped((found_inf * len(items)).to(torch.int32))
+    kernels.add_skipped((found_inf * len(items)).to(torch.int32))

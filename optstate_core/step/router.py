@@ -11,10 +11,14 @@ release equals no release bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, TYPE_CHECKING, Tuple
 
+from .context import Conformance, Residency, StepContext
 from .cpu_step import CpuPlan, plan_cpu_fast
 from .work import Work
+
+if TYPE_CHECKING:  # annotations only
+    from .fused import FusedPath
 
 
 @dataclass
@@ -27,20 +31,19 @@ class Routes:
 
 
 class Router:
-    """Sorts works onto paths with the engine's conformer, fused path and policy."""
+    """Sorts works onto paths with the conformance seam, the fused path and the policy."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, ctx: StepContext, conformance: Conformance, residency: Residency, fused: FusedPath):
+        self.ctx, self.conformance, self.residency, self.fused = ctx, conformance, residency, fused
         self._beside = None  # (key, answer) of beside_compressed
 
     def route(self, works: List[Work]) -> Routes:
-        engine = self.engine
         routes, uncompressed = Routes(), []
         for w in works:
-            if not engine.conformer.needs_tiles(w) and engine.policy.master_codec(w.info) is None:
+            if not self.conformance.needs_tiles(w) and self.ctx.policy.master_codec(w.info) is None:
                 uncompressed.append(w)
                 continue
-            plan = engine.fused.plan(w)
+            plan = self.fused.plan(w)
             (routes.fused.append((w, plan)) if plan is not None else routes.tiled.append(w))
         if uncompressed:
             # uncompressed tensors of an optimizer whose compressed ones the kernels step go into the
@@ -48,9 +51,9 @@ class Router:
             # steps exactly as torch's fused Adam(W) (NaN/inf skipped per block)
             beside = self.beside_compressed()
             for w in uncompressed:
-                plan = engine.fused.takes_uncompressed(w, beside)
+                plan = self.fused.takes_uncompressed(w, beside)
                 (routes.fused.append((w, plan)) if plan is not None else routes.passthrough.append(w))
-        routes.cpu, routes.tiled = plan_cpu_fast(engine, routes.tiled)
+        routes.cpu, routes.tiled = plan_cpu_fast(self.ctx, self.residency, routes.tiled)
         return routes
 
     def beside_compressed(self) -> bool:
@@ -58,9 +61,9 @@ class Router:
         optimizer now: then the kernels take its uncompressed tensors too. One answer for the
         whole optimizer, whichever parameters a call routes; cached while the policy's decisions
         and the groups' sizes stay the same."""
-        engine = self.engine
-        key = (engine.policy.decision_key(engine.step_count), tuple(len(g["params"]) for g in engine.inner.param_groups))
+        ctx, step = self.ctx, self.ctx.step_count
+        key = (ctx.policy.decision_key(step), tuple(len(g["params"]) for g in ctx.inner.param_groups))
         if self._beside is None or self._beside[0] != key:
-            answer = any(engine.policy.may_compress(info, engine.step_count) for _, info in engine.param_infos())
+            answer = any(ctx.policy.may_compress(info, step) for _, info in ctx.param_infos())
             self._beside = (key, answer)
         return self._beside[1]

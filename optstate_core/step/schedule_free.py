@@ -10,11 +10,15 @@ weights, eval mode) the whole step runs through the optimizer itself (:func:`ste
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, TYPE_CHECKING
 
 from ..state.codecs.kinds import StateKind
+from .context import Residency, StepContext
 from .gradients import collect
 from .granularity import qualified_name
+
+if TYPE_CHECKING:  # annotations only
+    from .fused import FusedPath
 
 SCHEDULE_FREE_ADAMW = "schedulefree.adamw_schedulefree.AdamWScheduleFree"
 
@@ -48,25 +52,24 @@ def advance_groups(inner) -> Dict[int, dict]:
     return scalars
 
 
-def fused_step_applies(engine) -> bool:
+def fused_step_applies(inner, fused: FusedPath) -> bool:
     """Whether the optimizer is schedule-free AdamW in train mode and the kernels may run (in eval
     mode its own step raises its "not in train mode" error)."""
-    inner = engine.inner
-    return is_schedule_free_adamw(inner) and engine.fused.mode is not False and \
+    return is_schedule_free_adamw(inner) and fused.mode is not False and \
         all(g["train_mode"] for g in inner.param_groups)
 
 
-def plan_fused_step(engine) -> Optional[List]:
+def plan_fused_step(ctx: StepContext, residency: Residency, fused: FusedPath) -> Optional[List]:
     """The buckets of a fused schedule-free step, or None when some parameter with a gradient cannot
     go to the kernel (the whole step then runs through the optimizer; nothing changed here)."""
-    works = collect(engine.param_infos(), engine.state)
-    engine.placement.assign_residency(works, engine.step_count)
+    works = collect(ctx.param_infos(), ctx.store)
+    residency.assign_residency(works, ctx.step_count)
     planned = []
     for w in works:
-        plan = engine.fused.plan(w) or engine.fused.takes_uncompressed(w, beside=True)
+        plan = fused.plan(w) or fused.takes_uncompressed(w, beside=True)
         if plan is None or plan.offload or plan.kind != "schedule_free":
             return None
         planned.append((w, plan))
     if not any(any(k != StateKind.FP32 for k in plan.kinds) for _, plan in planned):
         return None  # nothing compressed: the optimizer's own step is exact and fast
-    return engine.fused.build(planned)
+    return fused.build(planned)

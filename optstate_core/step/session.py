@@ -23,7 +23,8 @@ from ..state.master_weights import MASTER_KEY
 from ..state.store import ParamState
 from .gradients import collect
 from .inner import unhooked_step
-from .tiled import _materialized_bytes
+from .context import Residency, StepContext
+from .tiled import TiledStep, _materialized_bytes
 from .work import Tile, Work
 
 log = logging.getLogger("optstate")
@@ -48,11 +49,11 @@ class _Opened:
 class StateSession(MutableMapping):
     """``inner.state`` during one call: decoded on access, committed by :meth:`commit`."""
 
-    def __init__(self, engine, update: bool):
-        self.engine = engine
-        self.store = engine.state
+    def __init__(self, ctx: StepContext, tiled: TiledStep, update: bool):
+        self.ctx, self.tiled = ctx, tiled
+        self.store = ctx.store
         self.update = update  # a step (stochastic rounding stream, seeds consumed) or another method
-        self.infos = {id(p): (p, info) for p, info in engine.param_infos()}
+        self.infos = {id(p): (p, info) for p, info in ctx.param_infos()}
         self.alias = {}  # id(tensor the optimizer sees) -> the parameter (masters)
         self.opened = {}  # id(parameter) -> _Opened
         self.saved_params = []
@@ -108,19 +109,18 @@ class StateSession(MutableMapping):
         _, info = self.infos[id(p)]
         work = Work(p, info, self.store[p] if p in self.store else ParamState())
         tile = Tile(work, 0, work.param.numel(), 0, work.rows, 0, work.cols, whole=True)
-        self.engine.tiled.materialize(tile)
+        self.tiled.materialize(tile)
         opened = self.opened[id(p)] = _Opened(work, tile)
         return opened
 
     def open_masters(self) -> None:
         """Put each master-weight parameter's fp32 master in its group for the call."""
-        engine = self.engine
-        for group in engine.inner.param_groups:
+        for group in self.ctx.inner.param_groups:
             params = group["params"]
             self.saved_params.append((group, params))
             swapped = list(params)
             for j, p in enumerate(params):
-                if engine.policy.master_codec(self.infos[id(p)][1]) is None:
+                if self.ctx.policy.master_codec(self.infos[id(p)][1]) is None:
                     continue
                 opened = self._open(p)
                 master_weights.open_tile(opened.tile)
@@ -136,7 +136,7 @@ class StateSession(MutableMapping):
 
     def commit(self) -> int:
         """Write back what the call changed; returns the decoded bytes that were alive."""
-        engine, materialized = self.engine, 0
+        materialized = 0
         for opened in self.opened.values():
             tile, work = opened.tile, opened.work
             if tile.master is not None:
@@ -151,17 +151,17 @@ class StateSession(MutableMapping):
             if not tile.states and work.key in self.store:
                 continue
             work.tiles_left = 1
-            engine.tiled.commit(tile, update=True)
+            self.tiled.commit(tile, update=True)
             if self.update:
                 master_weights.forget_seed(work.key)
         self.opened = {}
         return materialized
 
 
-def _lend(engine, session: StateSession, call):
-    """Run ``call()`` with ``session`` as the optimizer's state and its masters in the groups."""
-    inner = engine.inner
-    engine.sync_transfers()  # write-backs of offloaded state land before anything is decoded
+def _lend(inner, sync, session: StateSession, call):
+    """Run ``call()`` with ``session`` as the optimizer's state and its masters in the groups
+    (``sync()`` first: write-backs of offloaded state land before anything is decoded)."""
+    sync()
     saved = inner.state
     try:
         session.open_masters()
@@ -173,28 +173,29 @@ def _lend(engine, session: StateSession, call):
     return result
 
 
-def run_whole_step(engine) -> None:
+def run_whole_step(ctx: StepContext, residency: Residency, tiled: TiledStep, drop_nonfinite, sync) -> None:
     """One call of the optimizer's own ``step`` over every parameter (granularity ``"step"``):
-    validate every gradient first, leave out those with NaN/inf (``skip_nonfinite``), lend the
-    decoded state, commit it."""
-    works = collect(engine.param_infos(), engine.state)
-    engine.placement.assign_residency(works, engine.step_count)
+    validate every gradient first, leave out those with NaN/inf (``skip_nonfinite``;
+    ``drop_nonfinite(works)`` keeps the finite ones and reports the others), lend the decoded
+    state, commit it."""
+    works = collect(ctx.param_infos(), ctx.store)
+    residency.assign_residency(works, ctx.step_count)
     hidden = []
-    if engine.skip_nonfinite and works:
-        kept = {id(w) for w in engine.drop_nonfinite(works)}
+    if ctx.options.skip_nonfinite and works:
+        kept = {id(w) for w in drop_nonfinite(works)}
         hidden = [(w.key, w.key.grad) for w in works if id(w) not in kept]
     t0 = time.perf_counter()
-    session = StateSession(engine, update=True)
+    session, inner = StateSession(ctx, tiled, update=True), ctx.inner
     try:
         for p, _ in hidden:
             p.grad = None
-        _lend(engine, session, lambda: unhooked_step(engine.inner)(engine.inner))
+        _lend(inner, sync, session, lambda: unhooked_step(inner)(inner))
     finally:
         for p, grad in hidden:
             p.grad = grad
     t1 = time.perf_counter()
     materialized = session.commit()
-    metrics = engine.metrics
+    metrics = ctx.metrics
     metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, materialized)
     metrics.inner_step_ms += (t1 - t0) * 1e3
     metrics.commit_ms += (time.perf_counter() - t1) * 1e3
@@ -207,23 +208,22 @@ class SessionMethod:
     Installed on the optimizer instance, so a call on the optimizer itself goes through it too; a
     call from inside another call (the state is lent already) runs as it is."""
 
-    def __init__(self, engine, name: str):
-        self.engine, self.name = engine, name
+    def __init__(self, ctx: StepContext, tiled: TiledStep, sync, name: str):
+        self.ctx, self.tiled, self.sync, self.name = ctx, tiled, sync, name
 
     def __call__(self, *args, **kwargs):
-        engine = self.engine
-        inner = engine.inner
+        inner = self.ctx.inner
         fn = getattr(type(inner), self.name)
-        if inner.state is not engine.state:  # inside a step or another method already
+        if inner.state is not self.ctx.store:  # inside a step or another method already
             return fn(inner, *args, **kwargs)
-        session = StateSession(engine, update=False)
+        session = StateSession(self.ctx, self.tiled, update=False)
         with torch.no_grad():
-            result = _lend(engine, session, lambda: fn(inner, *args, **kwargs))
+            result = _lend(inner, self.sync, session, lambda: fn(inner, *args, **kwargs))
             session.commit()
         return result
 
     def __repr__(self) -> str:
-        return f"<optstate session method {type(self.engine.inner).__name__}.{self.name}>"
+        return f"<optstate session method {type(self.ctx.inner).__name__}.{self.name}>"
 
 
 def public_methods(optimizer: torch.optim.Optimizer):
@@ -240,11 +240,13 @@ def public_methods(optimizer: torch.optim.Optimizer):
     return names
 
 
-def install_session_methods(engine) -> list:
-    """Route the optimizer's own public methods through :class:`SessionMethod`; returns their names."""
-    names = public_methods(engine.inner)
+def install_session_methods(ctx: StepContext, tiled: TiledStep, sync) -> list:
+    """Route the optimizer's own public methods through :class:`SessionMethod` (``sync()``: wait
+    for write-backs of offloaded state); returns their names."""
+    inner = ctx.inner
+    names = public_methods(inner)
     for name in names:
-        engine.inner.__dict__[name] = SessionMethod(engine, name)
+        inner.__dict__[name] = SessionMethod(ctx, tiled, sync, name)
     if names:
-        log.debug("optstate: %s's methods %s see their decoded state", type(engine.inner).__name__, names)
+        log.debug("optstate: %s's methods %s see their decoded state", type(inner).__name__, names)
     return names

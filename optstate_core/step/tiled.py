@@ -19,6 +19,7 @@ from ..state.codecs.rounding import RoundingContext, state_seed, stream_key
 from ..state.dtensor import local
 from .inner import run_inner
 from ..state.store import copy_scalar, is_scalar_state
+from .context import Conformance, StepContext, Transfers
 from .work import Tile, Work, describe_param
 
 TILE_GRANULARITY = 256  # every codec's block size divides this
@@ -27,14 +28,13 @@ TILE_GRANULARITY = 256  # every codec's block size divides this
 class TiledStep:
     """Steps (or, with ``update=False``, only re-stores) parameters tile by tile, chunk by chunk."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, ctx: StepContext, conformance: Conformance, transfers: Transfers):
+        self.ctx, self.conformance, self.transfers = ctx, conformance, transfers
 
     def tiles_of(self, w: Work, max_elems: int) -> List[Tile]:
-        engine = self.engine
         p = w.param
         numel, rows, cols = p.numel(), w.rows, w.cols
-        tileable = engine.elementwise and p.is_contiguous() and all(
+        tileable = self.ctx.options.granularity == "elementwise" and p.is_contiguous() and all(
             is_scalar_state(v) or (tuple(v.shape) == tuple(p.shape) and
                                    (isinstance(v, EncodedTensor) or v.is_contiguous()))
             for v in w.state.values())
@@ -55,12 +55,12 @@ class TiledStep:
         return tiles
 
     def chunks(self, works: List[Work]):
-        engine = self.engine
+        ctx, options = self.ctx, self.ctx.options
         n_keys = max([sum(1 for v in w.state.values() if not is_scalar_state(v)) for w in works] + [2])
-        max_elems = max(TILE_GRANULARITY, engine.chunk_bytes // (4 * n_keys))
-        max_count = engine.chunk_size
-        if engine.step_count == 0 and engine.initial_chunk_size:
-            first_count = engine.initial_chunk_size
+        max_elems = max(TILE_GRANULARITY, options.chunk_bytes // (4 * n_keys))
+        max_count = options.chunk_size
+        if ctx.step_count == 0 and options.initial_chunk_size:
+            first_count = options.initial_chunk_size
         else:
             first_count = max_count
         chunk, used = [], 0
@@ -68,42 +68,43 @@ class TiledStep:
             tiles = self.tiles_of(w, max_elems)
             w.tiles_left = len(tiles)
             for tile in tiles:
-                limit = first_count if not engine.metrics.chunks else max_count
+                limit = first_count if not ctx.metrics.chunks else max_count
                 if chunk and (used + tile.numel > max_elems or (limit and len(chunk) >= limit)):
                     yield chunk
-                    engine.metrics.chunks += 1
+                    ctx.metrics.chunks += 1
                     chunk, used = [], 0
                 chunk.append(tile)
                 used += tile.numel
         if chunk:
-            engine.metrics.chunks += 1
+            ctx.metrics.chunks += 1
             yield chunk
 
     def run(self, works: List[Work], update: bool) -> None:
-        engine = self.engine
-        self.engine.conformer.preallocate(works)
+        ctx = self.ctx
+        self.conformance.preallocate(works)
         for chunk in self.chunks(works):
             t0 = time.perf_counter()
             for tile in chunk:
                 self.materialize(tile)
-                if update and engine.policy.master_codec(tile.work.info) is not None:
+                if update and ctx.policy.master_codec(tile.work.info) is not None:
                     master_weights.open_tile(tile)
             t1 = time.perf_counter()
             if update:
-                run_inner(engine.inner, [(t.tensor, t.states, t.work.info.group_index) for t in chunk])
+                run_inner(ctx.inner, [(t.tensor, t.states, t.work.info.group_index) for t in chunk])
                 for tile in chunk:
                     if tile.master is not None:
                         master_weights.close_tile(tile)
             t2 = time.perf_counter()
             materialized = sum(_materialized_bytes(tile) for tile in chunk)
-            engine.metrics.peak_materialized_bytes = max(engine.metrics.peak_materialized_bytes, materialized)
+            metrics = ctx.metrics
+            metrics.peak_materialized_bytes = max(metrics.peak_materialized_bytes, materialized)
             for tile in chunk:
                 self.commit(tile, update)
             t3 = time.perf_counter()
-            engine.metrics.materialize_ms += (t1 - t0) * 1e3
-            engine.metrics.inner_step_ms += (t2 - t1) * 1e3
-            engine.metrics.commit_ms += (t3 - t2) * 1e3
-            engine.metrics.tiles += len(chunk)
+            metrics.materialize_ms += (t1 - t0) * 1e3
+            metrics.inner_step_ms += (t2 - t1) * 1e3
+            metrics.commit_ms += (t3 - t2) * 1e3
+            metrics.tiles += len(chunk)
         if update:
             for w in works:
                 master_weights.forget_seed(w.key)
@@ -133,32 +134,31 @@ class TiledStep:
         tile.states = states
 
     def _decode_tile(self, enc: EncodedTensor, tile: Tile, device) -> torch.Tensor:
-        engine = self.engine
         shape = enc.shape if tile.whole else (tile.numel,)
         out = torch.empty(shape, dtype=enc.dtype, device=device)
         if tile.numel:
             payload = enc.codec.slice_payload(enc.payload, slice(tile.r0, tile.r1), tile.c0, tile.c1, tile.work.cols)
-            enc.codec.decode_into(engine.transfers.fetch(payload, device), out.view(tile.slab_shape))
+            enc.codec.decode_into(self.transfers.fetch(payload, device), out.view(tile.slab_shape))
         return out
 
     def commit(self, tile: Tile, update: bool) -> None:
-        engine = self.engine
+        ctx = self.ctx
         w = tile.work
-        step = engine.step_count
+        step = ctx.step_count
         for key, value in tile.states.items():
             if is_scalar_state(value):
                 w.new_scalars.setdefault(key, value)
                 continue
             if tuple(value.shape) != (tuple(w.param.shape) if tile.whole else (tile.numel,)):
                 if not tile.whole:  # only an optimizer wrongly declared elementwise makes one
-                    raise ValueError(f"{type(engine.inner).__name__} made state {key!r} of shape "
+                    raise ValueError(f"{type(ctx.inner).__name__} made state {key!r} of shape "
                                      f"{tuple(value.shape)} for a tile of {tile.numel} elements of "
                                      f"{describe_param(w.info)}: it is not elementwise (wrap(..., elementwise=False))")
                 w.dest[key] = value  # its own shape (Adafactor's row/column statistics): kept as it is
                 continue
             dest = w.dest.get(key)
             if dest is None:
-                dest = w.dest[key] = self.engine.conformer.destination(w, key, value)
+                dest = w.dest[key] = self.conformance.destination(w, key, value)
             if not update and dest is w.state.get(key):
                 continue  # re-storing only: a state already in its form keeps its words
             if isinstance(dest, torch.Tensor):
@@ -174,21 +174,20 @@ class TiledStep:
         if w.tiles_left == 0:
             w.state.update(w.new_scalars)
             w.state.update(w.dest)
-            engine.state[w.key] = w.state
+            ctx.store[w.key] = w.state
 
     def _encode_tile(self, dest: EncodedTensor, tile: Tile, key: str, value: torch.Tensor, step: int) -> None:
-        engine = self.engine
         codec = dest.codec
         view = codec.slice_payload(dest.payload, slice(tile.r0, tile.r1), tile.c0, tile.c1, tile.work.cols)
         rounding = None
         if codec.stochastic_rounding:
-            seed = state_seed(engine.seed, tile.work.info.index, key)
+            seed = state_seed(self.ctx.options.seed, tile.work.info.index, key)
             rounding = RoundingContext(stream_key(seed, step), tile.work.offset + tile.start, tile.work.cols)
         x = value.reshape(tile.slab_shape)
         if dest.host_tier and x.device.type != "cpu":
             staged = {k: torch.empty_like(v, device=x.device) for k, v in view.items()}
             codec.encode_into(x, staged, rounding)
-            engine.transfers.put(staged, view)
+            self.transfers.put(staged, view)
         else:
             codec.encode_into(x, view, rounding)
 

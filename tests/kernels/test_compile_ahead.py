@@ -61,7 +61,7 @@ def test_twins_queued_by_the_first_step_are_the_second_steps_variants(preset, op
     second = [k for k in recorded["launched"] if any(name == "FIRST" for name, _ in k[2])]
     assert second and set(second) <= twins
     step_counts = {k for k in first if k not in updates}
-    ahead = {compile_ahead.variant_key(*v) for v in compile_ahead.first_step_variants(opt._engine, device)}
+    ahead = {compile_ahead.variant_key(*v) for v in compile_ahead.first_step_variants(opt._engine.inner, device)}
     assert step_counts and step_counts <= ahead
 
 

@@ -28,14 +28,13 @@ class Adam(FusedOptimizer):
     def state_keys(self, group):
         return self.keys + ("max_exp_avg_sq",) if group.get("amsgrad") else self.keys
 
-    def torch_fused(self, engine, group, param, kinds, master, offload) -> bool:
+    def torch_fused(self, inner, group, param, kinds, master, offload) -> bool:
         """Whether the kernel steps this parameter with torch's fused CUDA Adam/AdamW arithmetic
         (``kernels/adam.py: torch_fused_moments``), bit-identical to the unwrapped optimizer: its group
         has ``fused=True``, the parameter and every state are fp32 and resident, and the decay is
         decoupled (or zero; Adam's L2 decay is not reproduced bit for bit, so it stays with torch)."""
         if not group.get("fused") or master or offload or param.dtype != torch.float32:
             return False
-        inner = engine.inner
         if getattr(inner, "grad_scale", None) is not None or getattr(inner, "found_inf", None) is not None:
             return False  # torch's own step unscales and skips with them
         return all(k == StateKind.FP32 for k in kinds) and (decoupled_decay(inner, group) or not group["weight_decay"])
@@ -56,13 +55,13 @@ class Adam(FusedOptimizer):
         return adam_kernel
 
     def arguments(self, launcher, bucket, launch):
-        plan, group, engine = bucket.plan, launch.group, launcher.engine
+        plan, group, inner = bucket.plan, launch.group, launcher.ctx.inner
         m_codec, v_codec = plan.codecs[0], plan.codecs[1]
         V, VS = launch.state(1)
         amsgrad = len(plan.keys) == 3
         VM, VMS = launch.state(2) if amsgrad else (V, VS)
         beta1, beta2 = (float(b) for b in group["betas"])
-        decoupled = decoupled_decay(engine.inner, group)
+        decoupled = decoupled_decay(inner, group)
         torch_fused = bool(plan.torch_fused)
         CORR = self.bias_corrections(launcher, bucket, launch, beta1, beta2, torch_fused)
         args = (*launch.heads, V, VS, VM, VMS, CORR, *launch.tail, launch.lr_ptr, launch.lr_val, beta1, beta2,

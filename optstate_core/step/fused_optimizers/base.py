@@ -42,7 +42,7 @@ class FusedOptimizer:
         """Whether the kernel takes states of these kernel forms (in the order of the keys)."""
         return all(k in self.forms[min(i, len(self.forms) - 1)] for i, k in enumerate(kinds))
 
-    def torch_fused(self, engine, group: dict, param, kinds, master: int, offload: bool) -> bool:
+    def torch_fused(self, inner, group: dict, param, kinds, master: int, offload: bool) -> bool:
         """Whether the kernel steps with torch's own fused arithmetic (only Adam/AdamW can)."""
         return False
 

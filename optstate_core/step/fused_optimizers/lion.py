@@ -28,7 +28,7 @@ class Lion(FusedOptimizer):
         return lion_kernel
 
     def arguments(self, launcher, bucket, launch):
-        group, m_codec, inner = launch.group, bucket.plan.codecs[0], launcher.engine.inner
+        group, m_codec, inner = launch.group, bucket.plan.codecs[0], launcher.ctx.inner
         beta1, beta2 = (float(b) for b in group["betas"])
         wd = float(group["weight_decay"])
         if getattr(inner, "decoupled_wd", False):

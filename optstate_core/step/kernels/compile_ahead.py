@@ -144,7 +144,7 @@ def twin(kernel, args: tuple, kwargs: dict, device: torch.device) -> None:
     submit(variant_key(kernel, args, later), kernel, args, later, device)
 
 
-def first_step_variants(engine, device: torch.device) -> list:
+def first_step_variants(inner, device: torch.device) -> list:
     """``(kernel, args, kwargs)`` of the step-count kernels a first step launches on ``device``
     (stand-in tensors of the launches' dtypes: a pointer table, the corrections, the flags or the
     learning-rate tensor)."""
@@ -154,18 +154,16 @@ def first_step_variants(engine, device: torch.device) -> list:
     corr = torch.zeros(48, dtype=torch.float32, device=device)
     flags = torch.zeros(16, dtype=torch.int32, device=device)  # the launch passes its flags as lr_ptr
     out = [(advance_steps_kernel, (steps,), {})]
-    for lr in {g["lr"].dtype if isinstance(g["lr"], torch.Tensor) else None for g in engine.inner.param_groups}:
+    for lr in {g["lr"].dtype if isinstance(g["lr"], torch.Tensor) else None for g in inner.param_groups}:
         lr_ptr = flags if lr is None else torch.zeros(1, dtype=lr, device=device)
         out += [(bias_corrections_kernel, (steps, corr, lr_ptr, 0.0, -0.1, -0.001),
                  dict(LR_TENSOR=lr is not None, ADVANCE=advance, STEP_ONLY=False)) for advance in (True, False)]
     return out
 
 
-def start(engine) -> None:
-    """At wrap(): compile the first step's step-count kernels for each CUDA device of the
-    parameters (when the fused path may run there)."""
-    if engine.fused.mode is False or not engine.kernels.compile_ahead:
-        return
-    for device in {p.device for p, _ in engine.param_infos() if p.device.type == "cuda"}:
-        for kernel, args, kwargs in first_step_variants(engine, device):
+def start(inner) -> None:
+    """At wrap(), when the fused path may run and compiling ahead is on: compile the first step's
+    step-count kernels for each CUDA device of ``inner``'s parameters."""
+    for device in {p.device for g in inner.param_groups for p in g["params"] if p.device.type == "cuda"}:
+        for kernel, args, kwargs in first_step_variants(inner, device):
             submit(variant_key(kernel, args, kwargs), kernel, args, kwargs, device)
