@@ -154,5 +154,5 @@ def recording_arena(slab_bytes=None):
 def use_arena(opt, arena):
     """Give a wrapped optimizer ``arena`` as its pinned arena (ending what wrap() pinned ahead)."""
     opt._engine.pinned.end_ahead()
-    opt._engine.pinned = arena
+    opt._engine.use_pinned_arena(arena)
     return arena

@@ -386,6 +386,10 @@ class Engine:
         self._nonfinite_reported = total
         return total
 
+    def use_pinned_arena(self, arena: PinnedArena) -> None:
+        """Serve offloaded state's pinned host memory from ``arena`` from now on (tests, tools)."""
+        self.pinned = self.fused.pinned = arena
+
     def replace_options(self, **values) -> None:
         """Options changed after wrap() (validated by the caller): a new record replaces the old one."""
         self.ctx.options = dataclasses.replace(self.ctx.options, **values)
