@@ -51,6 +51,7 @@ NAMED_SHAPES = {
     "0.95b": LlamaShape(hidden=2048, layers=16, ffn=5632, heads=16, kv_heads=16, vocab=32000),  # e2e.py's
     "8b": LlamaShape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256),  # Llama-3-8B's
     "70b": LlamaShape(hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=128256),  # Llama-3-70B's
+    "405b": LlamaShape(hidden=16384, layers=126, ffn=53248, heads=128, kv_heads=8, vocab=128256),  # Llama-3.1-405B's
     "tiny": LlamaShape(hidden=64, layers=2, ffn=128, heads=2, kv_heads=1, vocab=256),
 }
 

@@ -18,6 +18,8 @@ a floor for the step when nothing hides the copies.
 With ``--model`` (or ``--config`` and ``--recipe``) a one-GPU fine-tuning recipe follows the table
 (:mod:`optstate_core.apps.recipe`): the preset, the micro-batches that fit with and without the
 fused (chunked) loss, what crosses PCIe per step and the tokens/s to expect against resident state.
+With ``--stream-weights`` a plan with the bf16 weights streamed from pinned host memory follows
+(:mod:`optstate_core.apps.plan_stream`: resident layers, GPU and host bytes, PCIe per step, tokens/s).
 """
 from __future__ import annotations
 
@@ -378,7 +380,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .llama import NAMED_SHAPES
     src.add_argument("--model", choices=sorted(NAMED_SHAPES),
                      help="a named Llama shape instead of a config.json: 8b and 70b are Llama-3-8B's and "
-                          "Llama-3-70B's, 0.95b the end-to-end benchmark's")
+                          "Llama-3-70B's, 405b Llama-3.1-405B's, 0.95b the end-to-end benchmark's")
     parser.add_argument("--gpu-memory", default="80GB",
                         help="GPU memory, e.g. 80GB (=80e9 bytes), 24GiB (default: %(default)s)")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
