@@ -73,7 +73,7 @@ class Engine:
         self.state = StateMap()
         self.step_count = 0
         self.options = options  # the one record of the options; the properties below read it
-        self.pinned = PinnedArena()  # offloaded state's pinned host memory, in whole slabs
+        self.pinned = PinnedArena(options.tuning.pinned_slab_bytes)  # offloaded state's pinned host memory
         self.names = names
         self.metrics = StepMetrics()
         self.transfers = Transfers()
@@ -82,18 +82,20 @@ class Engine:
         self.tiled = TiledStep(self)
         self.fused = FusedPath(self, options.fused)
         self.router = Router(self)
-        self.kernels = KernelLauncher(self, options.stochastic_param_rounding, options.fast_math)
-        self.schedule = StepSchedule(self, options.prefetch_budget)
+        self.kernels = KernelLauncher(self, options.stochastic_param_rounding, options.fast_math,
+                                      options.tuning.launch_shapes, options.tuning.compile_ahead)
+        self.schedule = StepSchedule(self, options.prefetch_budget, options.tuning.prefetch_slab_bytes)
         self.backward_check = BackwardCheck()
         self.clip_release = ClipAndRelease(self, options.release_gradients, options.max_grad_norm,
-                                                options.clip_mode, options.release_bucket_bytes)
+                                                options.clip_mode, options.release_bucket_bytes,
+                                                options.tuning.stage_ahead)
         if options.release_gradients:
             self.schedule.release = self.clip_release
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
         self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
-        self.park_buffers = ParkBuffers()  # the phase switch's host buffers, kept across parks
+        self.park_buffers = ParkBuffers(options.tuning.pinned_slab_bytes)  # the phase switch's host buffers
         self.told_auto_wake = False  # an update woke parked state: logged once
 
     chunk_bytes = _option("chunk_bytes")
