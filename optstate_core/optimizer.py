@@ -100,6 +100,13 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             one batch holds every gradient, else per tensor), ``"global"`` (torch's
             ``clip_grad_norm_`` over all gradients in ``step()``), ``"previous"`` (the exact norm
             when one batch holds the step, else the previous step's global norm) or ``"per_tensor"``.
+        tuning: implementation choices of speed and memory (a compiled CPU step may round a few ulp
+            differently): a :class:`~optstate_core.tuning.Tuning`, or a dict of its fields, e.g.
+            ``{"stage_ahead": 0, "pinned_slab_bytes": 0}``: the CPU fast path and when it compiles,
+            pinning and compiling ahead, prefetch and pinned slab sizes, release's staging depth,
+            the fused kernels' launch shapes. A field not given takes its ``OPTSTATE_*`` variable,
+            read here (docs/environment.md), else its measured default; ``memory_report()["options"]``
+            shows the values used. An unknown field raises a ``TypeError``, a bad value a ``ValueError``.
 
     Older spellings still work, with a ``DeprecationWarning`` (:data:`optstate_core.options.ALIASES`):
     ``elementwise`` (``granularity``), ``prefetch_during_backward`` (``prefetch_budget``) and

@@ -12,8 +12,8 @@ import torch
 from .schedule.prefetch import AUTO, check_prefetch_budget
 from .schedule.release import DEFAULT_BUCKET_BYTES, check_clip_options
 from .state.units import parse_bytes
-from .step.fused_launch import fast_math_default
 from .step.granularity import resolve as resolve_granularity
+from .tuning import Tuning, fast_math_default
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -54,6 +54,7 @@ class WrapOptions:
     release_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     max_grad_norm: Optional[float] = None
     clip_mode: str = "auto"
+    tuning: Optional[Tuning] = None  # resolved by build(): the given fields over Tuning.from_env()
 
     @classmethod
     def build(cls, optimizer: torch.optim.Optimizer, options: Optional["WrapOptions"] = None,
@@ -66,8 +67,10 @@ class WrapOptions:
         unknown = sorted(set(kwargs) - names - set(ALIASES))
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(sorted(names))}")
-        given = {} if options is None else options.as_dict()
+        given = {} if options is None else {f.name: getattr(options, f.name) for f in fields(cls)}
         given.pop("check_granularity", None)
+        if "tuning" in kwargs:  # keywords override the options' values; the tuning's field by field
+            kwargs["tuning"] = Tuning.resolve(kwargs["tuning"], over=given.pop("tuning", None))
         aliases = {k: kwargs.pop(k) for k in list(kwargs) if k in ALIASES}
         for name in aliases:
             warnings.warn(f"optstate: the option {name} is deprecated; use {ALIASES[name]}", DeprecationWarning,
@@ -141,6 +144,7 @@ def _validated(optimizer, kw: dict, aliases: dict) -> dict:
         out[name] = _check_bool(name, out[name], optional=True)
     if out["fast_math"] is None:
         out["fast_math"] = fast_math_default()
+    out["tuning"] = Tuning.resolve(out["tuning"])
     for name in ("skip_nonfinite", "check_in_backward", "offload", "stochastic_param_rounding",
                  "observe_closure_loss", "profile", "release_gradients"):
         out[name] = _check_bool(name, out[name])

@@ -136,12 +136,12 @@ def local_tensors(tree, prefix=""):
 
 def recording_arena(slab_bytes=None):
     """A pinned arena over ordinary host memory (the suite has no CUDA) that records the byte sizes
-    of the allocations it makes (``.asked``); ``slab_bytes`` as :class:`PinnedArena`'s."""
-    from optstate_core.state.pinned import PinnedArena
+    of the allocations it makes (``.asked``); ``slab_bytes`` as :class:`PinnedArena`'s (None: its default)."""
+    from optstate_core.state.pinned import DEFAULT_SLAB_BYTES, PinnedArena
 
     class RecordingArena(PinnedArena):
         def __init__(self):
-            super().__init__(slab_bytes=slab_bytes, pin=False)
+            super().__init__(slab_bytes=DEFAULT_SLAB_BYTES if slab_bytes is None else slab_bytes, pin=False)
             self.asked = []
 
         def _bytes(self, nbytes):

@@ -19,16 +19,15 @@ def run(preset, *, fast, steps=4, inner=None, shapes=SHAPES, chunk_bytes=None, g
     groups = [{"params": params[::2], "weight_decay": wd[0]}, {"params": params[1::2], "weight_decay": wd[1]}]
     opt_inner = (inner or (lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95))))(groups)
     options = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    opt = oc.wrap(opt_inner, oc.make_policy(preset, **{"min_int8_elements": 0, **policy}), **options)
+    opt = oc.wrap(opt_inner, oc.make_policy(preset, **{"min_int8_elements": 0, **policy}),
+                  tuning={"cpu_fast_path": fast}, **options)
     gen = torch.Generator().manual_seed(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OPTSTATE_CPU_FAST", "1" if fast else "0")
-        for i in range(steps):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-            if grads is not None:
-                grads(i, params)
-            opt.step()
+    for i in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        if grads is not None:
+            grads(i, params)
+        opt.step()
     return params, opt
 
 
@@ -118,15 +117,13 @@ def test_cached_plan_follows_group_options_and_nan_gradients():
             assert opt._engine._plan_cache is not None and opt.last_step_timings["materialize_ms"] == 0
             step_tensor = opt.state[params[1]]["step"]
         gen = torch.Generator().manual_seed(7)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("OPTSTATE_CPU_FAST", "1" if fast else "0")
-            for i in (3, 4):
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-                change(i, params)
-                opt.step()
-                if fast and i == 3:
-                    assert opt.last_step_timings["materialize_ms"] > 0  # group 0 went to the tiled path
+        for i in (3, 4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            change(i, params)
+            opt.step()
+            if fast and i == 3:
+                assert opt.last_step_timings["materialize_ms"] > 0  # group 0 went to the tiled path
         results.append((params, opt))
     (ref_params, ref), (params, opt) = results
     assert opt.memory_report()["nonfinite_skipped"] == ref.memory_report()["nonfinite_skipped"] == 1
@@ -221,21 +218,21 @@ def test_auto_mode_runs_a_short_job_eagerly(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value", [("OPTSTATE_CPU_COMPILE", "yes"), ("OPTSTATE_CPU_COMPILE_AFTER", "-1"),
-                                        ("OPTSTATE_CPU_COMPILE_AFTER", "soon")])
-def test_a_bad_compile_setting_changes_nothing(monkeypatch, name, value):
-    """A bad compile switch is refused with its name before any parameter or state changes, the
-    uncompressed ones (stepped by the inner optimizer) included."""
-    params, opt = run("8bit", fast=True, steps=2, shapes=[(64, 512), (16,)], min_int8_elements=100)
-    before = [p.detach().clone() for p in params]
-    state = {k: t.clone() for k, t in payloads(opt, params[0]).items()}
-    monkeypatch.setenv("OPTSTATE_CPU_FAST", "1")
-    monkeypatch.setenv("OPTSTATE_CPU_COMPILE", "auto")
+                                        ("OPTSTATE_CPU_COMPILE_AFTER", "soon"), ("OPTSTATE_CPU_BATCH", "0")])
+def test_a_bad_cpu_setting_is_refused_at_wrap(monkeypatch, name, value):
+    """A bad CPU setting (read at wrap(), the default of a ``tuning`` field) is refused there with its
+    name, before the inner optimizer is touched: its state stays empty and it trains as before."""
+    params = [torch.nn.Parameter(torch.randn(64, 512) * 0.02)]
+    inner = torch.optim.AdamW(params, lr=1e-2)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, params))
-    assert all(torch.equal(t, payloads(opt, params[0])[k]) for k, t in state.items())
-    assert int(opt.state[params[0]]["step"]) == 2
+        oc.wrap(inner, "8bit")
+    assert not inner.state and inner.param_groups[0]["params"] == params
+    monkeypatch.delenv(name)
+    opt = oc.wrap(inner, "8bit")
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    assert int(opt.state[params[0]]["step"]) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -284,25 +281,15 @@ def test_batches_respect_the_batch_size_and_chunk_bytes():
 
 
 def test_batch_size_from_the_environment(monkeypatch):
-    monkeypatch.setenv("OPTSTATE_CPU_BATCH", "2")
-    assert cpu_step.batch_size() == 2
+    from optstate_core.tuning import Tuning
+    assert Tuning.from_env({"OPTSTATE_CPU_BATCH": "2"}).cpu_batch == 2
     for bad in ("0", "-1", "x", "1.5"):
-        monkeypatch.setenv("OPTSTATE_CPU_BATCH", bad)
         with pytest.raises(ValueError, match="OPTSTATE_CPU_BATCH"):
-            cpu_step.batch_size()
-
-
-def test_a_bad_batch_size_changes_nothing(monkeypatch):
-    params, opt = run("8bit", fast=True, steps=2)
-    before = [p.detach().clone() for p in params]
-    state = {k: t.clone() for k, t in payloads(opt, params[1]).items()}
-    monkeypatch.setenv("OPTSTATE_CPU_FAST", "1")
-    monkeypatch.setenv("OPTSTATE_CPU_BATCH", "0")
-    with pytest.raises(ValueError, match="OPTSTATE_CPU_BATCH"):
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, params))
-    assert all(torch.equal(t, payloads(opt, params[1])[k]) for k, t in state.items())
-    assert int(opt.state[params[1]]["step"]) == 2
+            Tuning.from_env({"OPTSTATE_CPU_BATCH": bad})
+    monkeypatch.setenv("OPTSTATE_CPU_BATCH", "2")
+    params = [torch.nn.Parameter(torch.zeros(4, 256))]
+    assert oc.wrap(torch.optim.AdamW(params), "8bit").options.tuning.cpu_batch == 2
+    assert oc.wrap(torch.optim.AdamW(params), "8bit", tuning={"cpu_batch": 3}).options.tuning.cpu_batch == 3
 
 
 @pytest.mark.parametrize("size", [3, 16])

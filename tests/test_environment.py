@@ -50,23 +50,24 @@ def test_every_name_in_the_code_is_in_the_table_and_the_doc():
 
 
 def test_the_defaults_are_the_codes(monkeypatch):
-    from optstate_core.schedule import pin_ahead, prefetch, release
-    from optstate_core.state.pinned import PinnedArena
-    from optstate_core.step import cpu_step, fused_launch
-    from optstate_core.step.kernels import compile_ahead
-    for name in KNOBS:
-        monkeypatch.delenv(name, raising=False)
+    """Each knob's default is the default of its ``tuning`` field (``Tuning.from_env`` of an empty
+    environment, the one reader of these variables) and of ``fast_math``."""
+    from optstate_core.schedule import prefetch, release
+    from optstate_core.state import pinned
+    from optstate_core.step import cpu_step
+    from optstate_core.tuning import CPU_COMPILE_ENV, Tuning, fast_math_default
     default = {name: k.default for name, k in KNOBS.items()}
-    assert cpu_step.COMPILE_MODES[default["OPTSTATE_CPU_COMPILE"]] == cpu_step.compile_mode()
-    assert float(default["OPTSTATE_CPU_COMPILE_AFTER"]) == cpu_step.compile_after()
-    assert int(default["OPTSTATE_CPU_BATCH"]) == cpu_step.batch_size()
-    assert default["OPTSTATE_CPU_FAST"] == "1" and cpu_step.enabled()
-    assert int(default["OPTSTATE_STAGE_AHEAD"]) == release.stage_ahead()
-    assert int(default["OPTSTATE_PINNED_SLAB_BYTES"]) == PinnedArena(pin=False).slab_bytes
-    assert default[pin_ahead.ENV] == "1" and pin_ahead.enabled()
-    assert default[compile_ahead.ENV] == "1"
-    assert int(default["OPTSTATE_SLAB_MB"]) << 20 == prefetch.slab_bytes()
-    assert default["OPTSTATE_FAST_MATH"] == "1" and fused_launch.fast_math_default()
+    tuning = Tuning.from_env({})
+    assert CPU_COMPILE_ENV[default["OPTSTATE_CPU_COMPILE"]] == tuning.cpu_compile == "auto"
+    assert float(default["OPTSTATE_CPU_COMPILE_AFTER"]) == tuning.cpu_compile_after_s == cpu_step.DEFAULT_COMPILE_AFTER
+    assert int(default["OPTSTATE_CPU_BATCH"]) == tuning.cpu_batch == cpu_step.DEFAULT_BATCH
+    assert default["OPTSTATE_CPU_FAST"] == "1" and tuning.cpu_fast_path
+    assert int(default["OPTSTATE_STAGE_AHEAD"]) == tuning.stage_ahead == release.DEFAULT_STAGE_AHEAD
+    assert int(default["OPTSTATE_PINNED_SLAB_BYTES"]) == tuning.pinned_slab_bytes == pinned.DEFAULT_SLAB_BYTES
+    assert default["OPTSTATE_PIN_AHEAD"] == "1" and tuning.pin_ahead
+    assert default["OPTSTATE_COMPILE_AHEAD"] == "1" and tuning.compile_ahead
+    assert int(default["OPTSTATE_SLAB_MB"]) << 20 == tuning.prefetch_slab_bytes == prefetch.SLAB_BYTES
+    assert default["OPTSTATE_FAST_MATH"] == "1" and fast_math_default({})
     # the launch shapes as written in the source (the suite's conftest overrides two of them)
     tree = ast.parse((ROOT / "optstate_core/step/fused_launch.py").read_text())
     shapes = next(ast.literal_eval(n.value) for n in tree.body
@@ -107,7 +108,8 @@ def test_settings_once_read_at_import_are_read_at_wrap(monkeypatch):
     monkeypatch.delenv("OPTSTATE_FAST_MATH")
     assert oc.wrap(torch.optim.AdamW(params), "8bit").options.fast_math is True
     from optstate_core.step import fused_launch
-    for name in fused_launch.SHAPE_ENV:
+    from optstate_core.tuning import SHAPE_ENV
+    for name in SHAPE_ENV:
         monkeypatch.delenv(name, raising=False)
     assert oc.wrap(torch.optim.AdamW(params), "8bit")._engine.kernels.shapes == fused_launch.LAUNCH_SHAPES
     monkeypatch.setenv("OPTSTATE_MAXNREG", "32")

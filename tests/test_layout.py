@@ -23,7 +23,7 @@ def test_top_level_holds_the_public_face_and_rooms():
     subpackages whose ``__init__`` says what lives there and which rooms they may import."""
     top = {p.name for p in (ROOT / "optstate_core").glob("*.py")}
     assert top == {"__init__.py", "__main__.py", "optimizer.py", "options.py", "presets.py", "preset_table.py",
-                   "torch_optstate_names.py", "policy.py", "metrics.py"}, top
+                   "torch_optstate_names.py", "policy.py", "metrics.py", "tuning.py"}, top
     rooms = {p.parent.name for p in (ROOT / "optstate_core").glob("*/__init__.py")}
     assert rooms == {"state", "step", "schedule", "apps"}, rooms
     for room in ("state", "step", "schedule"):

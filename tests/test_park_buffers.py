@@ -23,7 +23,7 @@ def build(preset, release=False, pinned=True):
         oc.cast_model(model)
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), preset,
                   release_gradients=release, pin_memory=pinned or None)
-    arena = opt._engine.park_buffers.arena = recording_arena()
+    arena = opt._engine.park_buffers.arena = recording_arena(opt._engine.park_buffers.arena.slab_bytes)
     return model, opt, arena
 
 

@@ -78,7 +78,7 @@ def _record(opt, ahead: bool):
     recording arena (``helpers.recording_arena``), pinning the first step's predicted requests
     ahead with ``ahead``; returns the prediction and the pool (or None)."""
     engine = opt._engine
-    use_arena(opt, recording_arena())
+    use_arena(opt, recording_arena(engine.pinned.slab_bytes))  # tuning.pinned_slab_bytes
     predicted = pin_ahead.first_step_requests(engine)
     pool = engine.pinned.pin_ahead(predicted) if ahead else None
     if pool is not None:
@@ -93,7 +93,7 @@ def _grads(ps, s):
 
 
 def _run(preset, ahead: bool, monkeypatch, steps=2, **options):
-    monkeypatch.setenv(pin_ahead.ENV, "1" if ahead else "0")
+    monkeypatch.setenv("OPTSTATE_PIN_AHEAD", "1" if ahead else "0")
     ps = _params()
     opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), preset, fused=True, release_gradients=True,
                   pin_memory=True, staging_bytes="64KB", **options)
@@ -134,12 +134,12 @@ def test_first_step_requests_are_what_the_first_step_pins(preset, options, slab_
 
 
 def test_nothing_is_pinned_ahead_without_host_state_or_when_turned_off(monkeypatch):
-    monkeypatch.setenv(pin_ahead.ENV, "1")
+    monkeypatch.setenv("OPTSTATE_PIN_AHEAD", "1")
     ps = _params()
     opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean", fused=True, release_gradients=True,
                   pin_memory=True)
     assert pin_ahead.first_step_requests(opt._engine) == []  # every state resident
-    monkeypatch.setenv(pin_ahead.ENV, "2")
+    monkeypatch.setenv("OPTSTATE_PIN_AHEAD", "2")
     with pytest.raises(ValueError, match="OPTSTATE_PIN_AHEAD"):
         oc.wrap(torch.optim.AdamW(_params(), lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True)
 
@@ -148,7 +148,7 @@ def test_a_copy_made_before_the_first_step_pins_for_itself(monkeypatch):
     """deepcopy of a wrapped optimizer whose thread is pinning ahead: the copy carries no thread (it
     pins in its first step) and trains as the original."""
     import copy
-    monkeypatch.setenv(pin_ahead.ENV, "1")
+    monkeypatch.setenv("OPTSTATE_PIN_AHEAD", "1")
     ps = _params()  # cast_model's remainders go with the copy (test_master_weights)
     opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True,
                   staging_bytes="64KB")
@@ -175,7 +175,7 @@ def test_state_loaded_before_the_first_step_trains_as_without_pinning_ahead(monk
     saved = donor.state_dict()
     out = []
     for ahead in ("1", "0"):
-        monkeypatch.setenv(pin_ahead.ENV, ahead)
+        monkeypatch.setenv("OPTSTATE_PIN_AHEAD", ahead)
         ps = [torch.nn.Parameter(p.detach().clone()) for p in src]
         opt = oc.wrap(torch.optim.AdamW(ps, lr=1e-2), "bf16w-4bit-lean-offload", fused=True, pin_memory=True,
                       staging_bytes="64KB")

@@ -46,15 +46,21 @@ def test_slabs_grow_from_small_to_the_largest_size_per_dtype(monkeypatch):
     big = arena.take(300, torch.float32, (300,))
     assert big.untyped_storage().nbytes() == 1200 and arena.take(1, torch.int8, (1,)).untyped_storage().nbytes() == 64
     assert PinnedArena(pin=False).slab_bytes == pinned.SLAB_BYTES  # the default: shared slabs
-    monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "0")
-    arena = PinnedArena(pin=False)
+    arena = PinnedArena(0, pin=False)
     a, b = arena.take(5, torch.float32, (5,)), arena.take(7, torch.float32, (7,))
     assert (a.untyped_storage().nbytes(), b.untyped_storage().nbytes()) == (32, 32)  # 16-byte padded, own
-    monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", str(pinned.SLAB_BYTES))
-    assert PinnedArena(pin=False).slab_bytes == pinned.SLAB_BYTES
+
+    def wrapped_slab_bytes(**options):  # the engine's arena and the park's, built from tuning.pinned_slab_bytes
+        engine = oc.wrap(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))]), "8bit", **options)._engine
+        assert engine.park_buffers.arena.slab_bytes == engine.pinned.slab_bytes
+        return engine.pinned.slab_bytes
+    assert wrapped_slab_bytes() == pinned.SLAB_BYTES
+    monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "0")
+    assert wrapped_slab_bytes() == 0
+    assert wrapped_slab_bytes(tuning={"pinned_slab_bytes": "1MiB"}) == 2**20  # the option wins
     monkeypatch.setenv("OPTSTATE_PINNED_SLAB_BYTES", "256MB")
     with pytest.raises(ValueError, match="OPTSTATE_PINNED_SLAB_BYTES"):
-        PinnedArena(pin=False)
+        wrapped_slab_bytes()
 
 
 def test_a_request_goes_to_the_oldest_slab_with_room():

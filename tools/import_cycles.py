@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "optstate_core"
 #: rooms that are single top-level modules, and what they may import (subpackages say it themselves)
-ROOM_RULES = {"policy": {"state"}, "metrics": {"state"}, "preset_table": {"state", "policy"}}
+ROOM_RULES = {"policy": {"state"}, "metrics": {"state"}, "preset_table": {"state", "policy"},
+              "tuning": {"state", "step", "schedule"}}
 
 
 def module_name(path: Path) -> str:

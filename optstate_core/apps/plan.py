@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..schedule.release import stage_ahead
+from ..tuning import Tuning
 from .model_shapes import (NamedShapes, approximate_shapes, checkpointed_activation_bytes,
                            config_shapes, load_config, parse_batch, parse_count)
 
@@ -208,16 +208,17 @@ def make_plan(shapes: NamedShapes, gpu_memory: int, optimizer: str = "adamw", pr
     units = fsdp_units(shapes) if gpus > 1 else {}
     root = units.pop("root", 0)  # FSDP2 keeps the root's parameters gathered from forward to backward's end
     layer = max(units.values(), default=0)  # the largest other unit: gathered twice (current, prefetched)
+    ahead = Tuning.from_env().stage_ahead  # wrap()'s default (OPTSTATE_STAGE_AHEAD, else 2)
 
     def released(itemsize: int) -> int:  # gradient bytes alive at once when released in backward (per rank)
         return min(-(-n // gpus) * itemsize, release_bucket_bytes + -(-largest // gpus) * itemsize)
 
     def staged_ahead(host: int, gsize: int) -> int:
-        """Host state that release stages ahead (per rank): the next ``stage_ahead()`` batches' and
+        """Host state that release stages ahead (per rank): the next ``tuning.stage_ahead`` batches' and
         the updating one's, at most the largest parameter's batch plus that many ordinary ones."""
         if not (release_gradients and host and n):
             return 0
-        return min(host, (-(-largest // gpus) + stage_ahead() * release_bucket_bytes // max(gsize, 1)) * host * gpus // n)
+        return min(host, (-(-largest // gpus) + ahead * release_bucket_bytes // max(gsize, 1)) * host * gpus // n)
 
     def row(preset, st, budget=None):
         w, g = weights, grads
@@ -332,7 +333,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"copy time = state in host memory / {plan.pcie_bytes_per_s / 1e9:.0f} GB/s each way (--pcie-gbps): "
                  "a step's floor when backward cannot hide the copies; larger batches (and gradient accumulation, "
                  "where the gradients fit) hide more of it. The staging ring (256 MiB) counts in rows with host state, "
-                 f"and with release the state staged {stage_ahead()} batches ahead.")
+                 f"and with release the state staged {Tuning.from_env().stage_ahead} batches ahead.")
     lines.append("During step() a compressed preset also materializes up to chunk_bytes (64 MiB by default) of "
                  "full-precision state at a time; offloaded state needs pinned host memory of its size.")
     return "\n".join(lines)

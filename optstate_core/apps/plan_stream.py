@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..schedule.release import stage_ahead
+from ..tuning import Tuning
 from .model_shapes import NamedShapes, checkpointed_activation_bytes, config_shapes, parse_batch
 from .plan import BUDGET_MARGIN, RELEASE_BUCKET_BYTES, STAGING_BYTES, gib, param_states
 
@@ -205,7 +205,7 @@ def staged_ahead(root: Unit, layers: List[Unit], gpus: int, release_bucket_bytes
     largest = max([root.largest] + [u.largest for u in layers])
     if not (n and state):
         return 0
-    return min(shard(state, gpus), (shard(largest, gpus) + stage_ahead() * release_bucket_bytes // BF16) * state // n)
+    return min(shard(state, gpus), (shard(largest, gpus) + Tuning.from_env().stage_ahead * release_bucket_bytes // BF16) * state // n)
 
 
 def fill(plan: StreamPlan, root: Unit, layers: List[Unit], base: Dict[str, int], ring: int) -> bool:

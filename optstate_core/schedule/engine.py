@@ -81,25 +81,27 @@ class Engine:
         # what the step paths are given (step/context.py): the state, the options (the one record:
         # the properties below read it), the step count and the metrics live there
         self.ctx = ctx = StepContext(inner, StateMap(), policy, options, names)
-        self.pinned = PinnedArena()  # offloaded state's pinned host memory, in whole slabs
+        self.pinned = PinnedArena(options.tuning.pinned_slab_bytes)  # offloaded state's pinned host memory
         self.transfers = Transfers()
         self.placement = Placement(policy, options.gpu_budget, options.staging_bytes, offload_all=options.offload)
         self.conformer = Conformer(self)
         self.tiled = TiledStep(ctx, self.conformer, self.transfers)
         self.fused = FusedPath(ctx, self.placement, self.pinned, options.fused)
         self.router = Router(ctx, self.conformer, self.placement, self.fused)
-        self.kernels = KernelLauncher(ctx, options.stochastic_param_rounding, options.fast_math)
-        self.schedule = StepSchedule(self, options.prefetch_budget)
+        self.kernels = KernelLauncher(ctx, options.stochastic_param_rounding, options.fast_math,
+                                      options.tuning.launch_shapes, options.tuning.compile_ahead)
+        self.schedule = StepSchedule(self, options.prefetch_budget, options.tuning.prefetch_slab_bytes)
         self.backward_check = BackwardCheck()
         self.clip_release = ClipAndRelease(self, options.release_gradients, options.max_grad_norm,
-                                                options.clip_mode, options.release_bucket_bytes)
+                                                options.clip_mode, options.release_bucket_bytes,
+                                                options.tuning.stage_ahead)
         if options.release_gradients:
             self.schedule.release = self.clip_release
         self._plan_cache = None
         self.nonfinite_host = 0  # parameters skipped for NaN/inf gradients (reference paths)
         self._nonfinite_reported = 0
         self.own_shape_devices = {}  # (param index, key) -> device of state of its own shape, while parked
-        self.park_buffers = ParkBuffers()  # the phase switch's host buffers, kept across parks
+        self.park_buffers = ParkBuffers(options.tuning.pinned_slab_bytes)  # the phase switch's host buffers
         self.told_auto_wake = False  # an update woke parked state: logged once
         self.param_forms = {}  # parameter -> (dtype, device) at its last step (schedule/follow.py)
 

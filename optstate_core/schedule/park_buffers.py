@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..state.codecs import EncodedTensor
-from ..state.pinned import PinnedArena
+from ..state.pinned import DEFAULT_SLAB_BYTES, PinnedArena
 from ..state.store import allocate_many, state_nbytes
 from ..step.work import Work
 from .conform import same_codec_moves
@@ -42,8 +42,9 @@ def _fits(buffer: Optional[EncodedTensor], codec, shape, dtype: torch.dtype) -> 
 class ParkBuffers:
     """Host buffers of parked state by slot; those a thread pins ahead; the arena they come from."""
 
-    def __init__(self):
-        self.arena = PinnedArena()  # the park's own: pinning ahead never meets the step's requests
+    def __init__(self, slab_bytes: int = DEFAULT_SLAB_BYTES):
+        # the park's own arena (``tuning.pinned_slab_bytes``): pinning ahead never meets the step's requests
+        self.arena = PinnedArena(slab_bytes)
         self.slots: Dict[Slot, EncodedTensor] = {}
         self.after_first_step = False  # prepare() asked before any state existed
         self._thread: Optional[threading.Thread] = None

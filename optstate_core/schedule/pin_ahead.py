@@ -6,13 +6,12 @@ each parameter's plan on the fused path (its codecs, and which of its states liv
 under the GPU budget) gives the pinned arena's requests. So wrap() starts a thread that pins them
 in the order backward asks for them (the parameters in reverse), and the first step takes them as
 they come (:class:`~optstate_core.state.pinned.PinAhead`); whatever it did not ask for is dropped
-when it ends. ``OPTSTATE_PIN_AHEAD=0`` turns this off.
+when it ends. ``tuning.pin_ahead=False`` (``OPTSTATE_PIN_AHEAD=0``) turns this off.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import List
 
 from ..state.dtensor import is_dtensor
@@ -22,17 +21,6 @@ from ..step.fused import first_step_states
 from ..step.work import Work
 
 log = logging.getLogger("optstate")
-
-ENV = "OPTSTATE_PIN_AHEAD"
-
-
-def enabled() -> bool:
-    """``OPTSTATE_PIN_AHEAD``: 1 (default) or 0; anything else fails at wrap()."""
-    value = os.environ.get(ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
 
 def first_step_requests(engine) -> List[int]:
     """The byte sizes of the allocations the first step will make in the engine's pinned arena (its
@@ -72,8 +60,8 @@ def first_step_requests(engine) -> List[int]:
 
 
 def start(engine) -> None:
-    """At wrap(): pin the first step's requests on a thread, when there are any."""
-    if not enabled():
+    """At wrap(): pin the first step's requests on a thread, when there are any (and ``tuning.pin_ahead``)."""
+    if not engine.options.tuning.pin_ahead:
         return
     sizes = first_step_requests(engine)
     if sizes:

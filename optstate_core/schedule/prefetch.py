@@ -3,8 +3,8 @@
 On the micro-batch that ends an accumulation window, each parameter's post-accumulate-grad hook
 may stage that parameter's encoded state on the device (:meth:`StepSchedule.prefetch
 <optstate_core.schedule.timetable.StepSchedule.prefetch>`). Parameters are queued per bucket and uploaded
-in **slabs**: when a bucket's queued state reaches :func:`slab_bytes` (or its last parameter's
-gradient has arrived), one allocation from the caching allocator, made on the compute stream
+in **slabs**: when a bucket's queued state reaches ``tuning.prefetch_slab_bytes`` (or its last
+parameter's gradient has arrived), one allocation from the caching allocator, made on the compute stream
 during backward (so it reuses memory that backward has just freed), receives them in a few long
 copies (:class:`~optstate_core.schedule.stage_plan.SlabPlan`). A slab is handed back after the step's
 write-back of it has been queued (``record_stream`` on the write-back stream, then the reference
@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from ..state.units import env_count, parse_bytes
+from ..state.units import parse_bytes
 
 AUTO = "auto"
 AUTO_FRACTION = 0.9  # of the memory the first measured backward freed
@@ -42,14 +42,8 @@ PHASES = ("backward", "step", "behind_forward")
 
 # bytes of queued state that start a slab upload: large enough that a step makes few allocations
 # and copy calls (a 0.95B model's int8 state: ~30 slabs), small enough that uploads start early
+# (the default of ``tuning.prefetch_slab_bytes``, ``OPTSTATE_SLAB_MB``)
 SLAB_BYTES = 64 << 20
-
-
-def slab_bytes() -> int:
-    """``OPTSTATE_SLAB_MB`` (MiB) in bytes, else :data:`SLAB_BYTES`; read at wrap() (the step
-    schedule keeps it), where anything but a positive integer is refused by name."""
-    mib = env_count("OPTSTATE_SLAB_MB", 0, 1, "a positive integer (MiB per slab)")
-    return mib << 20 if mib else SLAB_BYTES
 
 
 def check_prefetch_budget(value, arg: str = "prefetch_budget") -> Union[int, str]:

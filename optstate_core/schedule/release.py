@@ -48,7 +48,6 @@ import torch
 from torch.autograd import Variable
 
 from ..state.dtensor import local
-from ..state.units import env_count
 from ..step.gradients import collect
 from ..step.inner import group_signature
 from .park import wake_for_update
@@ -63,14 +62,9 @@ EPS = 1e-6
 #: and a few hundred MB of gradients is little beside what release frees
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 #: how many released batches' offloaded state is staged ahead of their update by default
-#: (:meth:`ClipAndRelease.stage_next`; ``OPTSTATE_STAGE_AHEAD``, see :func:`stage_ahead`)
+#: (:meth:`ClipAndRelease.stage_next`; ``tuning.stage_ahead``, ``OPTSTATE_STAGE_AHEAD``; 0: off, every
+#: released batch then streams through the staging ring, to measure what staging gains)
 DEFAULT_STAGE_AHEAD = 2
-
-
-def stage_ahead() -> int:
-    """``OPTSTATE_STAGE_AHEAD``: released batches staged ahead (0: off, every released batch then
-    streams through the staging ring, to measure what staging gains), else :data:`DEFAULT_STAGE_AHEAD`."""
-    return env_count("OPTSTATE_STAGE_AHEAD", DEFAULT_STAGE_AHEAD, 0, "an integer >= 0 (0 turns staging off)")
 
 
 def check_clip_options(max_grad_norm, clip_mode: str, release: bool):
@@ -94,7 +88,7 @@ class ClipAndRelease:
     """Batched updates of released parameters from the backward hooks, and clipping for both modes of stepping."""
 
     def __init__(self, engine, release: bool, max_grad_norm: Optional[float], clip_mode: str,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage_ahead: int = DEFAULT_STAGE_AHEAD):
         self.engine = engine
         self.release = release
         self.bucket_bytes = bucket_bytes  # released gradients wait until this many bytes are pending
@@ -115,7 +109,7 @@ class ClipAndRelease:
         self._order = []  # this step's batches (ids of their parameters), in update order
         self._last_order = []  # the previous step's: predicts which batch comes next (stage_next)
         self._staged_to = 0  # positions of _last_order below this were staged (or passed) this step
-        self._ahead = stage_ahead()  # batches staged ahead (read once: a bad setting fails at wrap())
+        self._ahead = stage_ahead  # batches staged ahead (tuning.stage_ahead)
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
         self.param_ids = None  # ids of the parameters the hooks are on (release_params.follow_parameters)
         self.deferred_check = False  # plain parameters under several processes at wrap(): checked again later
@@ -178,8 +172,8 @@ class ClipAndRelease:
         self.stage_next()
 
     def stage_next(self) -> bool:
-        """Upload the offloaded state of the next :func:`stage_ahead` batches expected (read when the
-        optimizer was built; the previous step's batches at the positions after this one; at the
+        """Upload the offloaded state of the next ``tuning.stage_ahead`` batches expected (the
+        previous step's batches at the positions after this one; at the
         end of a step, the next step's first) while backward, or the next forward, computes: their
         updates then find the state on the device. Batches whose state is all resident (under a
         ``gpu_budget``) are passed over, not counted: the next streamed batches upload behind the

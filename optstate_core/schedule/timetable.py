@@ -64,10 +64,10 @@ class StepBoundary:
 class StepSchedule:
     """The timetable of one training step for the engine's fused buckets (see the module doc)."""
 
-    def __init__(self, engine, prefetch_budget=AUTO):
+    def __init__(self, engine, prefetch_budget=AUTO, slab_bytes: int = prefetch_area.SLAB_BYTES):
         self.engine = engine
         self.area = PrefetchArea(prefetch_budget)
-        self.slab_bytes = prefetch_area.slab_bytes()  # queued bytes that start a slab upload
+        self.slab_bytes = slab_bytes  # queued bytes that start a slab upload (tuning.prefetch_slab_bytes)
         self.boundary = StepBoundary()
         self._streams: Optional[Streams] = None
         self._ring: Optional[StagingRing] = None
@@ -121,7 +121,7 @@ class StepSchedule:
     def prefetch(self, param) -> None:
         """Backward hook: admit this parameter's offloaded state to the prefetch area if the
         budget has room, queued for its bucket's next slab; upload the slab once it holds
-        :func:`~optstate_core.schedule.prefetch.slab_bytes` or the bucket's last gradient has arrived."""
+        ``self.slab_bytes`` bytes or the bucket's last gradient has arrived."""
         located = self._where.get(id(param))
         if located is None or not self.boundary.will_step:
             return

@@ -12,8 +12,9 @@ side, so their copies merge. Llama-3-8B shapes, ``bf16w-4bit-lean-offload``: 15.
 requests take 15.50 GiB of slabs, 17.02 GiB as allocations of their own
 (``tools/pinned_footprint.py``, docs/benchmarks-journal.md section 33).
 
-**Sharing is on by default** (slabs up to :data:`SLAB_BYTES`; ``OPTSTATE_PINNED_SLAB_BYTES=0``: every
-request an allocation of its own). It was off from section 34 to 38 of docs/benchmarks-journal.md: the 8B FSDP2 +
+**Sharing is on by default** (slabs up to :data:`SLAB_BYTES`; ``tuning.pinned_slab_bytes=0``, or
+``OPTSTATE_PINNED_SLAB_BYTES=0``: every request an allocation of its own). It was off from section 34
+to 38 of docs/benchmarks-journal.md: the 8B FSDP2 +
 DCP resume with offloaded state differed between runs in 4 of 8 runs with shared slabs and 1 of 5
 without. That was attention's backward, whose dQ is summed in an order that varies (sections 36 and
 37, docs/limitations.md): under deterministic algorithms, two 8B resumes and five repeated runs on
@@ -34,12 +35,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .units import env_count
-
 log = logging.getLogger("optstate.pinned")
 
 SLAB_BYTES = 2**28  # the largest shared slab to ask for (a power of two: torch's pinned allocator rounds up to one)
-DEFAULT_SLAB_BYTES = SLAB_BYTES  # shared slabs unless OPTSTATE_PINNED_SLAB_BYTES=0 (see the module doc)
+DEFAULT_SLAB_BYTES = SLAB_BYTES  # shared slabs unless tuning.pinned_slab_bytes=0 (see the module doc)
 MIN_SLAB_BYTES = 2**20  # the first slab of a dtype (unless SLAB_BYTES is smaller)
 MIN_ROOM_BYTES = 64  # a slab with less room left is full: later requests no longer look at it
 ALIGN_BYTES = 16  # every view starts 16-byte aligned: the kernels use 128-bit accesses
@@ -187,15 +186,12 @@ class _Fills:
 class PinnedArena:
     """Hands out views of pinned slabs, one dtype per slab (``pin=False``: ordinary host memory, for
     tests); ``slab_bytes``: the largest slab (0: an allocation per request; default
-    ``OPTSTATE_PINNED_SLAB_BYTES`` or :data:`SLAB_BYTES`).
+    :data:`DEFAULT_SLAB_BYTES`; a wrapped optimizer's: ``tuning.pinned_slab_bytes``).
 
     A request goes to the oldest slab of its dtype with room for it (first fit: a large request
     that skips a slab's end leaves that room to later, smaller ones), else to a new slab."""
 
-    def __init__(self, slab_bytes: int = None, pin: bool = True):
-        if slab_bytes is None:
-            slab_bytes = env_count("OPTSTATE_PINNED_SLAB_BYTES", DEFAULT_SLAB_BYTES, 0,
-                                   "an integer >= 0 (bytes of the largest shared slab; 0: none shared)")
+    def __init__(self, slab_bytes: int = DEFAULT_SLAB_BYTES, pin: bool = True):
         self.slab_bytes = int(slab_bytes)
         self.pin = pin
         self._fills: Dict[torch.dtype, _Fills] = {}

@@ -1,11 +1,8 @@
-"""Parsing of byte sizes given as numbers or strings ("64MB", "2GiB", "0.5GB"), and of integer
-settings from the environment."""
+"""Parsing of byte sizes given as numbers or strings ("64MB", "2GiB", "0.5GB")."""
 from __future__ import annotations
 
 import math
-import os
 import re
-from typing import Optional
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -32,15 +29,3 @@ def parse_bytes(value, arg: str, allow_zero: bool = False) -> int:
     if n <= 0:
         raise ValueError(f"{arg} must be positive, got {value!r}")
     return n
-
-
-
-def env_count(name: str, default: int, least: int, what: Optional[str] = None) -> int:
-    """The integer environment setting ``name`` (at least ``least``), or ``default`` when unset;
-    anything else is refused by name (``what``: how the error describes a valid value)."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if not value.strip().isdigit() or int(value) < least:
-        raise ValueError(f"{name} must be {what or f'an integer >= {least}'}, got {value!r}")
-    return int(value)

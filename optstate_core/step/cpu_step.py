@@ -8,9 +8,9 @@ codec change flows through) around the arithmetic of ``torch.optim.Adam``'s sing
 step, compiled with ``torch.compile`` (inductor, C++) into a few fused loops when it can be,
 else run eagerly. Compiled code is specialized per row width (:func:`slab_width`: 256-wide rows
 for most weight matrices) with only the row count symbolic, so block sizes and widths are
-constants of its loops. ``OPTSTATE_CPU_BATCH=k`` steps ``k`` row slices a call (of one or several
-parameters; padded with empty ones), which shares the fixed cost of a compiled call among small
-parameters at the price of a longer compilation.
+constants of its loops. ``tuning.cpu_batch=k`` (``OPTSTATE_CPU_BATCH``) steps ``k`` row slices a
+call (of one or several parameters; padded with empty ones), which shares the fixed cost of a
+compiled call among small parameters at the price of a longer compilation.
 
 Results: eager execution performs the same torch operations on the same float32 values as
 the reference, so it is bit-identical to it. Compiled code rounds a few float operations
@@ -29,17 +29,17 @@ nothing invalidated goes straight to the compiled calls. How the calls are compi
 ``cpu_compile.py``.
 
 When it compiles: a class (codec pair, flags, row width, batch size) starts eager and is compiled
-once the time it has spent eagerly reaches ``OPTSTATE_CPU_COMPILE_AFTER`` seconds (default
+once the time it has spent eagerly reaches ``tuning.cpu_compile_after_s`` seconds (default
 ``DEFAULT_COMPILE_AFTER``, about what compiling one class costs here): the break-even rule, which never
 spends more than about twice what the better choice in hindsight would, so a short run, an example
-or a test never waits for inductor and a long run compiles early in it. Switches:
-``OPTSTATE_CPU_FAST=0`` turns the path off; ``OPTSTATE_CPU_COMPILE=0`` never compiles, ``=1``
-compiles at a class's first call, ``=auto`` is the default.
+or a test never waits for inductor and a long run compiles early in it. Switches, wrap() options
+(:class:`~optstate_core.tuning.Tuning`, defaults from the environment): ``tuning.cpu_fast_path=False``
+(``OPTSTATE_CPU_FAST=0``) turns the path off; ``tuning.cpu_compile`` ``"never"`` compiles never
+(``OPTSTATE_CPU_COMPILE=0``), ``"always"`` at a class's first call (``=1``), ``"auto"`` is the default.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -60,39 +60,10 @@ MATERIALIZED = 8  # bytes of decoded state per element (fp32 m and v), counted a
 _LOGGED = set()
 
 
-def enabled() -> bool:
-    return os.environ.get("OPTSTATE_CPU_FAST", "1") != "0"
-
-
-#: ``OPTSTATE_CPU_COMPILE`` values: compile never, at a class's first call, or once it pays (default)
-COMPILE_MODES = {"0": "never", "1": "always", "auto": "auto"}
-#: eager seconds a class runs before it is compiled in "auto" mode: about what compiling one class
-#: takes on a 2-core CPU (5-15 s), so the break-even rule never spends more than about twice what
-#: the better choice in hindsight would have
+#: eager seconds a class runs before it is compiled in "auto" mode (``tuning.cpu_compile_after_s``): about
+#: what compiling one class takes on a 2-core CPU (5-15 s), so the break-even rule never spends more
+#: than about twice what the better choice in hindsight would have
 DEFAULT_COMPILE_AFTER = 10.0
-
-
-def compile_mode() -> str:
-    """``OPTSTATE_CPU_COMPILE``: ``0`` never compiles, ``1`` compiles at the first call, ``auto``
-    (the default) compiles a class once its eager time reaches :func:`compile_after`."""
-    value = os.environ.get("OPTSTATE_CPU_COMPILE", "auto")
-    if value not in COMPILE_MODES:
-        raise ValueError(f"OPTSTATE_CPU_COMPILE must be 0, 1 or auto, got {value!r}")
-    return COMPILE_MODES[value]
-
-
-def compile_after() -> float:
-    """``OPTSTATE_CPU_COMPILE_AFTER``: eager seconds per class before "auto" compiles it."""
-    value = os.environ.get("OPTSTATE_CPU_COMPILE_AFTER")
-    if value is None:
-        return DEFAULT_COMPILE_AFTER
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"OPTSTATE_CPU_COMPILE_AFTER must be a number of seconds >= 0, got {value!r}")
-    return seconds
 
 
 def _log_once(reason: str) -> None:
@@ -153,21 +124,11 @@ _EAGER_SECONDS: Dict[tuple, float] = {}  # (flags, batch) -> seconds run eagerly
 ROW_GRANULARITY = 256
 #: distinct static widths compiled per codec pair before further widths share one dynamic-width graph
 MAX_STATIC_WIDTHS = 8
-#: row slices one compiled call steps unless ``OPTSTATE_CPU_BATCH`` says otherwise (a shorter
+#: row slices one compiled call steps unless ``tuning.cpu_batch`` says otherwise (a shorter
 #: batch is padded with empty slices, so one graph per class): with more, small parameters share
 #: the fixed cost of a compiled call (guards, wrappers: ~0.1 ms), but compilation takes longer
 #: (~4-6 s more per slice), which pays only over thousands of steps
 DEFAULT_BATCH = 1
-
-
-def batch_size() -> int:
-    """Slices per compiled call: ``OPTSTATE_CPU_BATCH``, else ``DEFAULT_BATCH``."""
-    value = os.environ.get("OPTSTATE_CPU_BATCH")
-    if value is None:
-        return DEFAULT_BATCH
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"OPTSTATE_CPU_BATCH must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def slab_width(cols: int) -> int:
@@ -273,7 +234,7 @@ class CpuPlan:
 def plan_cpu_fast(ctx: StepContext, residency: Residency, works: List) -> Tuple[List[CpuPlan], List]:
     """The plans of the works this path can take (Adam/AdamW, CPU, encoded state) and the rest,
     for the tiled reference path. Nothing is stepped yet."""
-    if not works or not enabled():
+    if not works or not ctx.options.tuning.cpu_fast_path:
         return [], works
     inner = ctx.inner
     rest, plans = [], []
@@ -302,8 +263,9 @@ def run_cpu_plans(ctx: StepContext, plans: List[CpuPlan]) -> None:
     same codecs and shape class in batches (:func:`_batches`), then each parameter's step count."""
     if not plans:
         return
-    size, mode = batch_size(), compile_mode()  # settings first: a bad one is refused before any write
-    after = compile_after() if mode == "auto" else None
+    tuning = ctx.options.tuning  # validated at wrap()
+    size, mode = tuning.cpu_batch, tuning.cpu_compile
+    after = tuning.cpu_compile_after_s if mode == "auto" else None
     t0 = time.perf_counter()
     inner, metrics = ctx.inner, ctx.metrics
     by_class: Dict[tuple, List[_Slice]] = {}
@@ -370,7 +332,7 @@ def _payload_rows(payload: dict, rows: int) -> dict:
 
 def _compile_now(flags, size: int, mode: str, after: Optional[float]) -> bool:
     """Whether this class runs compiled now: never after a failed compilation; in "auto" mode once
-    its eager time has reached ``after`` seconds (:func:`compile_after`), or it is compiled already."""
+    its eager time has reached ``after`` seconds (``tuning.cpu_compile_after_s``), or it is compiled already."""
     if mode == "never" or flags in _FAILED:
         return False
     if mode == "always" or (*flags, True, size) in _STEPPERS:

@@ -8,13 +8,11 @@ so a fused step never synchronises with the host and needs no collective.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Dict, Optional
 
 import torch
 
 from ..state.codecs.rounding import state_seed
-from ..state.units import env_count
 from .context import StepContext
 from .kernels import compile_ahead, launch
 
@@ -26,22 +24,13 @@ P_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # 2 x 2 (4 x 2 and loops no faster); the Adam step of 4-bit states without master weights 1 x 1
 # (section 15: 6.51 vs 6.91 ms at 2 x 2, H100), looped 16 times and capped at 64 registers (no
 # spills; 32 one-warp programs per SM instead of 25 at its 80): H200 5.18 vs 5.49 ms uncapped, 5.84
-# (and 6.24 at the previous 4-bit rounding code) unlooped. Env vars override every kind's value
-# (OPTSTATE_NBLK, OPTSTATE_NUM_WARPS, OPTSTATE_ITERS, OPTSTATE_MAXNREG; 0: no cap), read at wrap().
+# (and 6.24 at the previous 4-bit rounding code) unlooped. The option ``tuning.launch_shapes`` overrides
+# them per kind, and its environment defaults every kind's value (docs/environment.md), read at wrap().
 LAUNCH_SHAPES = {  # state kind -> (NBLK, num_warps, ITERS, maxnreg) of the Adam kernel (SGD: no loops)
     "int8": (4, 2, 2, 0),
     "int4": (1, 1, 16, 64),
     "other": (2, 2, 1, 0),
 }
-SHAPE_ENV = ("OPTSTATE_NBLK", "OPTSTATE_NUM_WARPS", "OPTSTATE_ITERS", "OPTSTATE_MAXNREG")
-
-
-def launch_shapes() -> Dict[str, tuple]:
-    """:data:`LAUNCH_SHAPES` as it is now (``optstate bench --tune`` changes it in place) with the
-    environment's overrides of every kind's value; read when a launcher is built (at wrap()), and a
-    value that is not a count is refused there by name."""
-    return {kind: tuple(env_count(name, value, least) for name, value, least in zip(SHAPE_ENV, shape, (1, 1, 1, 0)))
-            for kind, shape in LAUNCH_SHAPES.items()}
 
 
 def launch_shape(plan, shapes: Dict[str, tuple]) -> tuple:
@@ -79,17 +68,12 @@ def _sm_count(device) -> int:
     return count
 
 
-def fast_math_default() -> bool:
-    """The ``fast_math`` option when not given: ``OPTSTATE_FAST_MATH`` (``1``, the default: hardware
-    square root and reciprocal square root, a few ulp, in the Adam update; anything else: correctly
-    rounded ones). Read at wrap()."""
-    return os.environ.get("OPTSTATE_FAST_MATH", "1") == "1"
-
-
 class KernelLauncher:
     """Launches the Triton kernels over buckets; counts NaN/inf skips on the device."""
 
-    def __init__(self, ctx: StepContext, stochastic_param_rounding: bool, fast_math: bool = True):
+    def __init__(self, ctx: StepContext, stochastic_param_rounding: bool, fast_math: bool = True,
+                 shapes: Optional[Dict[str, tuple]] = None, ahead: bool = True):
+        """``shapes``: ``tuning.launch_shapes`` (default :data:`LAUNCH_SHAPES`); ``ahead``: ``tuning.compile_ahead``."""
         self.ctx = ctx
         self.stochastic_param_rounding = stochastic_param_rounding
         self._skipped: Optional[torch.Tensor] = None  # parameters skipped so far (device counter)
@@ -98,9 +82,9 @@ class KernelLauncher:
         self._seed_cache: Dict[tuple, int] = {}
         self._step_counts: Dict[torch.device, list] = {}  # device -> [int64 0-d tensor, host step it holds]
         self.group_scalars: Dict[int, dict] = {}  # schedule-free AdamW: this step's values per group
-        self.compile_ahead = compile_ahead.enabled()  # kernel variants compiled on a thread ahead of their launches
+        self.compile_ahead = compile_ahead.enabled(ahead)  # variants compiled on a thread ahead of their launches
         self.fast_math = fast_math
-        self.shapes = launch_shapes()  # LAUNCH_SHAPES with the environment's overrides, read at wrap()
+        self.shapes = dict(LAUNCH_SHAPES if shapes is None else shapes)
 
     def close(self) -> None:
         """Forget cached launch tables (they hold device pointers of freed state)."""

@@ -88,10 +88,9 @@ def test_nan_gradient_over_staged_state_skips_and_counts_its_parameter(preset, o
 def test_first_step_takes_its_pinned_state_from_the_thread_that_pinned_it_ahead(preset, options, monkeypatch):
     """wrap() pins the first step's host state on a thread (schedule/pin_ahead.py): the step takes
     every allocation from it, in pinned memory, and trains bit for bit as when it pins for itself."""
-    from optstate_core.schedule import pin_ahead
     out = []
     for ahead in ("1", "0"):
-        monkeypatch.setenv(pin_ahead.ENV, ahead)
+        monkeypatch.setenv("OPTSTATE_PIN_AHEAD", ahead)
         model = _model()
         oc.cast_model(model)
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), preset, release_gradients=True,

@@ -19,7 +19,7 @@ def recorded(monkeypatch):
     seen = {"submitted": [], "launched": []}
     monkeypatch.setattr(compile_ahead, "_PENDING", {})
     monkeypatch.setattr(compile_ahead, "_ACTIVE", set())
-    monkeypatch.setattr(compile_ahead, "enabled", lambda: True)
+    monkeypatch.setattr(compile_ahead, "enabled", lambda wanted=True: True)
     monkeypatch.setattr(compile_ahead, "_compile", lambda kernel, args, kwargs, device: True)
     monkeypatch.setattr(compile_ahead, "busy", lambda: True)
     submit = compile_ahead.submit
@@ -66,14 +66,18 @@ def test_twins_queued_by_the_first_step_are_the_second_steps_variants(preset, op
 
 
 def test_the_switch_is_checked_by_name(monkeypatch):
-    monkeypatch.setenv(compile_ahead.ENV, "yes")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    """``OPTSTATE_COMPILE_AHEAD`` is the default of ``tuning.compile_ahead``: a bad value fails wrap()
+    by name; the option wins over it; under ``TRITON_INTERPRET=1`` nothing is compiled ahead."""
+    from optstate_core.tuning import Tuning
     with pytest.raises(ValueError, match="OPTSTATE_COMPILE_AHEAD"):
-        compile_ahead.enabled()
-    monkeypatch.setenv(compile_ahead.ENV, "1")
-    assert compile_ahead.enabled()
+        Tuning.from_env({"OPTSTATE_COMPILE_AHEAD": "yes"})
+    assert not Tuning.from_env({"OPTSTATE_COMPILE_AHEAD": "0"}).compile_ahead
+    monkeypatch.setenv("OPTSTATE_COMPILE_AHEAD", "0")
+    assert Tuning.resolve({"compile_ahead": True}).compile_ahead
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert compile_ahead.enabled(True) and not compile_ahead.enabled(False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not compile_ahead.enabled()  # interpreted: nothing to compile
+    assert not compile_ahead.enabled(True)  # interpreted: nothing to compile
 
 
 def test_a_launch_over_one_tensor_is_the_variant_of_a_launch_over_several():

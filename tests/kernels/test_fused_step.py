@@ -295,7 +295,7 @@ def test_tiles_per_program_do_not_change_results(monkeypatch, kind, shapes, code
     """ITERS tiles per program (a loop in the kernel), or NBLK tiles side by side, give
     bit-identical parameters and states (each shape set through the environment, which a wrap()
     reads: every kind's shape, the ``kind`` the codecs pick among them)."""
-    from optstate_core.step.fused_launch import SHAPE_ENV
+    from optstate_core.tuning import SHAPE_ENV
 
     out = []
     for shape in shapes:

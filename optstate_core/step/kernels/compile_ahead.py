@@ -17,16 +17,15 @@ One worker thread compiles them (``JITFunction.warmup``: compiled and cached, no
 loads each (``CompiledKernel._init_handles``: the module loaded into the CUDA context and, in Triton
 3.6, the launcher built, a C module gcc compiles per variant; otherwise the first launch does both);
 a launch that needs a variant still compiling waits for it instead of compiling it twice. Only on
-CUDA, not under ``TRITON_INTERPRET=1``. ``OPTSTATE_COMPILE_AHEAD=0`` turns it off. With the update
-kernels compiled for any tensor count (``kernels/common.py: UNSPECIALIZED``) the 8B recipe's first
-step compiles one update-kernel variant, 3.7 s with Triton's cache empty (section 34).
+CUDA, not under ``TRITON_INTERPRET=1``. ``tuning.compile_ahead=False`` (``OPTSTATE_COMPILE_AHEAD=0``)
+turns it off. With the update kernels compiled for any tensor count (``kernels/common.py:
+UNSPECIALIZED``) the 8B recipe's first step compiles one update-kernel variant, 3.7 s with Triton's cache empty (section 34).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import functools
 import logging
-import os
 import threading
 import time
 from typing import Dict, FrozenSet, Hashable, Optional, Set
@@ -37,7 +36,6 @@ from . import interpreting
 
 log = logging.getLogger("optstate")
 
-ENV = "OPTSTATE_COMPILE_AHEAD"
 _LOCK = threading.Lock()
 _POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _PENDING: Dict[Hashable, concurrent.futures.Future] = {}  # variant key -> its compile (kept when done)
@@ -45,13 +43,10 @@ _ACTIVE: Set[concurrent.futures.Future] = set()  # compiles not done yet
 _STATS = {"compiled": 0, "failed": 0, "seconds": 0.0, "waits": 0}  # this process's compiles ahead
 
 
-def enabled() -> bool:
-    """``OPTSTATE_COMPILE_AHEAD``: 1 (default) or 0; anything else fails at wrap(). Off under
+def enabled(wanted: bool = True) -> bool:
+    """Whether to compile ahead: ``wanted`` (the option ``tuning.compile_ahead``), and not under
     ``TRITON_INTERPRET=1`` (nothing is compiled there)."""
-    value = os.environ.get(ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return value == "1" and not interpreting()
+    return wanted and not interpreting()
 
 
 def submit(key: Hashable, kernel, args: tuple, kwargs: dict, device: torch.device) -> Optional[concurrent.futures.Future]:
