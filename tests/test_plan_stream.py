@@ -6,7 +6,7 @@ import pytest
 
 from optstate_core.apps import cli, plan, plan_stream
 from optstate_core.apps.model_shapes import checkpointed_activation_bytes, config_shapes
-from optstate_core.schedule.release import stage_ahead
+from optstate_core.tuning import Tuning
 
 # Llama-style, 4 layers, grouped-query attention, untied lm_head
 TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
@@ -71,7 +71,7 @@ def test_pcie_bytes_match_a_hand_count():
     state = plan.state_bytes(shapes, PRESET).total  # the preset's moments and master correction, all of them
     checkpoints = batch * seq * layers * TINY["hidden_size"] * 2  # each layer's saved bf16 input
     working = checkpointed_activation_bytes(TINY, batch, seq, fused_loss=True) - checkpoints
-    ring = min(state, (largest + stage_ahead() * 0) * state // n)  # staged ahead: the largest parameter's batch
+    ring = min(state, (largest + Tuning.from_env().stage_ahead * 0) * state // n)  # staged ahead: the largest parameter's batch
     base = root * 2 + largest * 2 + working + checkpoints  # root weights, one bf16 gradient, activations
     memory = base + ring + (1 + window) * layer * 2  # one resident layer and the window: no room for state
     p = plan_stream.stream_plan(shapes, TINY, memory, batch, seq, window=window, host_activations_cap=0, **BARE)
