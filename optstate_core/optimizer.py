@@ -10,6 +10,7 @@ from .state import checkpoint, master_weights
 from . import metrics
 from .schedule import pin_ahead
 from .step.kernels import compile_ahead
+from .schedule import weight_stream
 from .schedule.engine import Engine
 from .schedule.park import PhaseSwitch
 from .policy import Policy, named_parameter_names
@@ -283,6 +284,17 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     def _set_option(self, **values) -> None:
         """Record an option changed after wrap() (``options`` and ``memory_report()`` show it)."""
         self._engine.replace_options(**values)
+
+    def stream_weights(self, model, *, layers=None, prefetch: int = 1):
+        """Keep the weights of ``model``'s decoder layers (the children of its largest
+        ``nn.ModuleList``, or ``layers``) in host memory, brought to the device for each layer's
+        forward, recompute and backward and written back after its update in backward (needs
+        ``release_gradients=True``; bit for bit the same training). ``prefetch``: layers copied in
+        ahead of the one running. Returns the :class:`~optstate_core.schedule.weight_stream.WeightStream`
+        (``close()`` ends it; ``gathered()`` holds every layer on the device for a block)."""
+        engine = self._engine
+        owned = {id(p) for p, _ in engine.param_infos()}
+        return weight_stream.start(model, engine.clip_release, engine.boundary, owned, layers, prefetch)
 
     def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
                            check_only: bool = False) -> bool:

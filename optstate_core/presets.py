@@ -42,6 +42,17 @@ def unwrap(optimizer, depth: int = 8) -> Optional[VirtualOptimizer]:
     return None
 
 
+def stream_weights(model, optimizer, *, layers=None, prefetch: int = 1):
+    """Keep the weights of ``model``'s decoder layers in host memory and stream them through the
+    device around each visit; ``optimizer``: its wrapped optimizer (or a framework's wrapper of it),
+    built with ``release_gradients=True``. See :meth:`VirtualOptimizer.stream_weights`."""
+    found = unwrap(optimizer)
+    if found is None:
+        raise ValueError(f"stream_weights: optimizer must be a wrapped optimizer (optstate_core.wrap), "
+                         f"got {type(optimizer).__name__}")
+    return found.stream_weights(model, layers=layers, prefetch=prefetch)
+
+
 class OptStateAdamW(VirtualOptimizer):
     """``torch.optim.AdamW`` built from ``params`` and wrapped with a preset, in one class.
 

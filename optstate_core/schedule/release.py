@@ -113,6 +113,7 @@ class ClipAndRelease:
         self.group = None  # FSDP2: the process group whose ranks hold the shards (check_release_supported)
         self.param_ids = None  # ids of the parameters the hooks are on (release_params.follow_parameters)
         self.deferred_check = False  # plain parameters under several processes at wrap(): checked again later
+        self._update_listeners = []  # called with each released batch's parameters once updated (weight_stream.py)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
@@ -168,8 +169,17 @@ class ClipAndRelease:
             self.step_params(items, batch, clip=not whole)
         for p, _ in items:
             p.grad = None
+        for listener in self._update_listeners:
+            listener([p for p, _ in items])
         self._order.append(batch)
         self.stage_next()
+
+    def add_update_listener(self, listener) -> None:
+        """Call ``listener(params)`` after each released batch is updated (its updates queued)."""
+        self._update_listeners.append(listener)
+
+    def remove_update_listener(self, listener) -> None:
+        self._update_listeners = [f for f in self._update_listeners if f != listener]  # bound methods: equal, not identical
 
     def stage_next(self) -> bool:
         """Upload the offloaded state of the next ``tuning.stage_ahead`` batches expected (the
@@ -274,7 +284,7 @@ class ClipAndRelease:
         """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
         state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None,
-                     _order=[], _last_order=[], _staged_to=0)
+                     _order=[], _last_order=[], _staged_to=0, _update_listeners=[])
         return state
 
     # -- clipping ----------------------------------------------------------------------------------

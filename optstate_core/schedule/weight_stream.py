@@ -1,0 +1,236 @@
+"""Weight streaming: decoder layers' weights live in host memory and visit the device only for their
+layer's forward, its recompute and backward, and its update.
+
+:func:`optstate_core.stream_weights` (or ``optimizer.stream_weights(model)``) takes a model and its
+wrapped optimizer (gradient release on). Each streamed
+layer's parameters keep their shape, dtype and device (the optimizer, its state and its plans see
+the same tensors as without streaming), but their device storage is freed between visits
+(``untyped_storage().resize_(0)``, as FSDP frees unsharded parameters) and their values live in a
+host copy (pinned when the device is CUDA):
+
+* **forward**: a forward pre-hook copies the layer in (and the next ``prefetch`` layers); after the
+  forward the layer is freed again unless autograd will read its weights from this forward (a
+  forward with gradients outside activation checkpointing, reentrant or not), in which case it
+  stays until its update;
+* **recompute and backward**: under activation checkpointing the recompute runs the forward again,
+  whose pre-hook brings the layer back; it then stays through backward;
+* **update**: gradient release updates the device copy in backward (the paths ``step()`` takes,
+  so a streamed run equals an unstreamed one bit for bit); once every parameter of the layer that
+  had a gradient is updated, the device copy is written back to the host copy and freed. On a
+  backward that does not end in a step, the layer is freed once all its gradients are accumulated.
+
+Copies run on the current stream (ordered with the compute that reads them; the host does not
+wait). ``model.state_dict()`` reads the host copies; :meth:`WeightStream.gathered` brings every
+layer to the device for code that reads or writes the weights directly (``load_state_dict``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger("optstate")
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def under_checkpoint() -> bool:
+    """Whether this forward runs inside non-reentrant activation checkpointing (autograd keeps
+    nothing of it: the recompute in backward runs the forward again)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook")
+
+
+def decoder_layers(model: nn.Module) -> List[nn.Module]:
+    """The model's repeated blocks: the children of its largest ``nn.ModuleList`` (``model.layers``
+    of a Hugging Face causal LM, ``h`` of GPT-2)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError("stream_weights: the model has no nn.ModuleList of layers; pass layers=[...]")
+    best = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(best)
+
+
+class _Layer:
+    """One streamed layer: its parameters, their host copies, whether the device holds them now."""
+
+    def __init__(self, index: int, module: nn.Module, pin: bool):
+        self.index, self.module = index, module
+        self.params = [p for p in module.parameters()]
+        self.host = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in self.params]
+        self.nbytes = [p.numel() * p.element_size() for p in self.params]
+        self.resident = True
+        self.keep = False  # autograd reads these weights (a forward with gradients): kept until updated
+        self.waiting: set = set()  # ids of parameters whose update (or accumulation) this backward awaits
+
+    def write_back(self) -> None:
+        """Device copy -> host copy (pinned: the host does not wait for it on CUDA)."""
+        with torch.no_grad():
+            for p, h in zip(self.params, self.host):
+                h.copy_(p.detach(), non_blocking=h.is_pinned())
+
+    def free(self) -> None:
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.resident, self.keep = False, False
+
+    def load(self) -> None:
+        """Host copy -> a fresh device storage."""
+        with torch.no_grad():
+            for p, h, n in zip(self.params, self.host, self.nbytes):
+                p.untyped_storage().resize_(n)
+                p.detach().copy_(h, non_blocking=h.is_pinned())
+        self.resident = True
+
+
+class WeightStream:
+    """Streams the weights of ``layers`` through the device around each visit (see the module doc)."""
+
+    def __init__(self, layers: Sequence[nn.Module], release, boundary, prefetch: int = 1):
+        self.release, self.boundary, self.prefetch = release, boundary, prefetch
+        self.layers: List[_Layer] = []
+        self._layer_of: Dict[int, _Layer] = {}
+        self._handles = []
+        self.h2d_bytes = 0  # bytes copied in / written back since the last reset_counters()
+        self.d2h_bytes = 0
+        for i, module in enumerate(layers):
+            layer = _Layer(i, module, pin=any(p.is_cuda for p in module.parameters()))
+            self.layers.append(layer)
+            for p in layer.params:
+                self._layer_of[id(p)] = layer
+                self._handles.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+            self._handles += [module.register_forward_pre_hook(self._before_forward),
+                              module.register_forward_hook(self._after_forward)]
+            self._handles += module._register_state_dict_hook(_host_state_dict(layer)),
+            layer.write_back()
+            layer.free()
+        release.add_update_listener(self._updated)
+
+    # -- the visits --------------------------------------------------------------------------------
+    def _index(self, module) -> int:
+        return next(layer.index for layer in self.layers if layer.module is module)
+
+    def _bring(self, layer: _Layer) -> None:
+        if not layer.resident:
+            layer.load()
+            self.h2d_bytes += sum(layer.nbytes)
+
+    def _before_forward(self, module, args) -> None:
+        """This layer, and the ``prefetch`` layers after it (before it in a recompute: backward runs
+        the layers in reverse)."""
+        i, backward = self._index(module), in_backward()
+        ahead = self.layers[max(0, i - self.prefetch):i][::-1] if backward else self.layers[i + 1:i + 1 + self.prefetch]
+        for layer in [self.layers[i]] + ahead:
+            self._bring(layer)
+        layer = self.layers[i]
+        if backward or (torch.is_grad_enabled() and not under_checkpoint()):
+            # autograd reads these weights (a recompute, which may stop before the forward's end, or a
+            # forward that saves them): they stay until their update, or until their gradients are in
+            layer.keep = True
+            layer.waiting = {id(p) for p in layer.params if p.requires_grad}
+
+    def _after_forward(self, module, args, output) -> None:
+        layer = self.layers[self._index(module)]
+        if not layer.keep:
+            layer.free()
+
+    def _gradient_ready(self, param) -> None:
+        """On a backward that does not end in a step, a layer goes once its gradients are all in."""
+        if self.release.release and self.boundary.will_step:
+            return  # the update listener frees it
+        self._done(self._layer_of[id(param)], param, write=False)
+
+    def _updated(self, params) -> None:
+        """Gradient release updated ``params``: write back and free each layer that is complete."""
+        for p in params:
+            layer = self._layer_of.get(id(p))
+            if layer is not None:
+                self._done(layer, p, write=True)
+
+    def _done(self, layer: _Layer, param, write: bool) -> None:
+        layer.waiting.discard(id(param))
+        if layer.waiting or not layer.resident:
+            return
+        if write:
+            layer.write_back()
+            self.d2h_bytes += sum(layer.nbytes)
+        layer.free()
+
+    # -- outside the visits ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every streamed layer on the device for the block (reads and in-place writes of the
+        weights land in the host copies when it ends)."""
+        was = [layer.resident for layer in self.layers]
+        for layer in self.layers:
+            self._bring(layer)
+        try:
+            yield
+        finally:
+            for layer, resident in zip(self.layers, was):
+                if not resident and not layer.keep:
+                    layer.write_back()
+                    layer.free()
+
+    def host_bytes(self) -> int:
+        """Bytes of the host copies."""
+        return sum(sum(layer.nbytes) for layer in self.layers)
+
+    def device_bytes(self) -> int:
+        """Bytes of streamed weights on the device now."""
+        return sum(sum(layer.nbytes) for layer in self.layers if layer.resident)
+
+    def close(self) -> None:
+        """Bring every layer back to the device for good and remove the hooks."""
+        for layer in self.layers:
+            self._bring(layer)
+            layer.keep = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.release.remove_update_listener(self._updated)
+
+
+def _host_state_dict(layer: _Layer):
+    """A state-dict hook that puts a streamed layer's host copies where its freed weights would be."""
+    def hook(module, state_dict, prefix, local_metadata):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # pinned write-backs land before the host copies are read
+        names = {id(p): name for name, p in module.named_parameters()}
+        for p, h in zip(layer.params, layer.host):
+            key = prefix + names[id(p)]
+            if key in state_dict and not layer.resident:
+                state_dict[key] = h
+        return state_dict
+    return hook
+
+
+def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequence[nn.Module]] = None,
+          prefetch: int = 1) -> WeightStream:
+    """Stream the weights of ``model``'s decoder layers (or ``layers``) for an optimizer whose
+    gradient release is ``release`` and whose parameters have the ids ``owned`` (see
+    :meth:`~optstate_core.optimizer.VirtualOptimizer.stream_weights`)."""
+    if not release.release:
+        raise ValueError("stream_weights: the optimizer must be wrapped with release_gradients=True (a layer's "
+                         "weights are updated in backward, while they are on the device)")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"stream_weights: prefetch must be an int >= 0 (layers copied in ahead), got {prefetch!r}")
+    layers = decoder_layers(model) if layers is None else list(layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ValueError(f"stream_weights: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+        for name, p in layer.named_parameters():
+            if p.device.type == "meta":
+                raise ValueError(f"stream_weights: layers[{i}].{name} is on the meta device; materialise it first")
+            if id(p) not in owned and p.requires_grad:
+                raise ValueError(f"stream_weights: layers[{i}].{name} is not a parameter of the optimizer")
+    stream = WeightStream(layers, release, boundary, prefetch)
+    log.info("optstate: streaming the weights of %d layers (%.2f GiB in host memory)", len(layers),
+             stream.host_bytes() / 2**30)
+    return stream

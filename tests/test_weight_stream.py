@@ -1,0 +1,160 @@
+"""Weight streaming (schedule/weight_stream.py): a streamed run equals the same run with the weights
+resident, bit for bit, for every way a layer is visited (reentrant and non-reentrant activation
+checkpointing, none), every kind of update path (passthrough fp32, compressed state on the tiled and
+CPU paths, master weights, the fused kernels under TRITON_INTERPRET) and gradient accumulation; between
+visits the layers hold no device storage; the model's state_dict reads the host copies."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import optstate_core as oc
+from optstate_core.state.master_weights import cast_model
+
+WIDTH, DEPTH, VOCAB = 64, 4, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, checkpointing: str):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.checkpointing = checkpointing
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            if self.checkpointing == "none":
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
+        return self.head(x)
+
+
+def build(checkpointing="reentrant", dtype=torch.float32):
+    torch.manual_seed(0)
+    model = TinyLM(checkpointing)
+    if dtype != torch.float32:
+        cast_model(model, dtype)
+    return model
+
+
+def data(step, micro=0):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=g)
+    return ids, torch.randint(0, VOCAB, (4, 16), generator=g)
+
+
+def train(model, opt, steps=3, accumulate=1):
+    losses = []
+    for s in range(steps):
+        for micro in range(accumulate):
+            opt.set_step_boundary(micro == accumulate - 1)
+            ids, target = data(s, micro)
+            loss = nn.functional.cross_entropy(model(ids).float().flatten(0, 1), target.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def wrapped(model, preset, **kw):
+    return oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), preset,
+                   release_gradients=True, release_bucket_bytes=4096, **kw)
+
+
+def same_run(preset, checkpointing="reentrant", dtype=torch.float32, accumulate=1, **kw):
+    ref = build(checkpointing, dtype)
+    ref_losses = train(ref, wrapped(ref, preset, **kw), accumulate=accumulate)
+    model = build(checkpointing, dtype)
+    opt = wrapped(model, preset, **kw)
+    stream = oc.stream_weights(model, opt)
+    losses = train(model, opt, accumulate=accumulate)
+    assert losses == ref_losses
+    for layer in model.layers:  # between steps the streamed layers hold no device storage
+        assert all(p.untyped_storage().nbytes() == 0 for p in layer.parameters())
+    if checkpointing != "none":  # checkpointed: a forward holds one layer (+ the one prefetched) at a time
+        seen = []
+        hooks = [layer.register_forward_hook(lambda *a: seen.append(stream.device_bytes())) for layer in model.layers]
+        with torch.no_grad():
+            model(data(0)[0])
+        for h in hooks:
+            h.remove()
+        assert max(seen) <= 2 * max(sum(p.numel() * p.element_size() for p in layer.parameters())
+                                    for layer in model.layers)
+    streamed_sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert streamed_sd.keys() == ref_sd.keys()
+    for key in ref_sd:
+        assert torch.equal(streamed_sd[key], ref_sd[key]), key
+    return model, opt, stream, ref
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant", "none"])
+def test_streamed_training_equals_resident_for_every_way_a_layer_is_visited(checkpointing):
+    same_run("8bit", checkpointing)
+
+
+@pytest.mark.parametrize("preset", ["fp32", "4bit"])
+def test_streamed_training_equals_resident_for_passthrough_and_4bit_state(preset):
+    same_run(preset)
+
+
+def test_streamed_training_equals_resident_with_master_weights_on_bf16_parameters():
+    same_run("bf16w-8bit", dtype=torch.bfloat16)
+
+
+def test_streamed_training_equals_resident_on_the_fused_kernels():
+    same_run("8bit", fused=True)
+
+
+def test_streamed_training_equals_resident_under_gradient_accumulation():
+    same_run("8bit", accumulate=2)
+
+
+def test_gathered_brings_the_layers_back_and_writes_changes_to_the_host_copies():
+    model, opt, stream, ref = same_run("8bit")
+    assert stream.device_bytes() == 0 and stream.host_bytes() == sum(
+        p.numel() * p.element_size() for p in model.layers.parameters())
+    with stream.gathered():
+        assert stream.device_bytes() == stream.host_bytes()
+        with torch.no_grad():
+            model.layers[0].up.weight.mul_(2)
+    assert stream.device_bytes() == 0
+    assert torch.equal(model.state_dict()["layers.0.up.weight"], 2 * ref.layers[0].up.weight.detach())
+    stream.close()  # streaming ends: the weights stay on the device, the hooks are gone
+    assert torch.equal(model.layers[0].up.weight, 2 * ref.layers[0].up.weight.detach())
+    train(model, opt, steps=1)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.layers.parameters())
+
+
+def test_bad_arguments_are_refused_by_name_and_change_nothing():
+    model = build()
+    plain = oc.wrap(torch.optim.AdamW(model.parameters()), "8bit")
+    with pytest.raises(ValueError, match="release_gradients=True"):
+        oc.stream_weights(model, plain)
+    with pytest.raises(ValueError, match="wrapped optimizer"):
+        oc.stream_weights(model, torch.optim.AdamW(model.parameters()))
+    opt = wrapped(model, "8bit")
+    with pytest.raises(ValueError, match="prefetch"):
+        oc.stream_weights(model, opt, prefetch=-1)
+    with pytest.raises(ValueError, match=r"layers\[0\]"):
+        oc.stream_weights(model, opt, layers=["not a module"])
+    other = build()
+    with pytest.raises(ValueError, match=r"layers\[0\]\.norm\.weight is not a parameter of the optimizer"):
+        oc.stream_weights(model, opt, layers=[other.layers[0]])
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # nothing was streamed
+    ref = build()
+    assert train(model, opt) == train(ref, wrapped(ref, "8bit"))
