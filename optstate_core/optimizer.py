@@ -289,12 +289,20 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         """Keep the weights of ``model``'s decoder layers (the children of its largest
         ``nn.ModuleList``, or ``layers``) in host memory, brought to the device for each layer's
         forward, recompute and backward and written back after its update in backward (needs
-        ``release_gradients=True``; bit for bit the same training). ``prefetch``: layers copied in
-        ahead of the one running. Returns the :class:`~optstate_core.schedule.weight_stream.WeightStream`
+        ``release_gradients=True``; bit for bit the same training; ``release_bucket_bytes`` is
+        lowered to the smallest layer's bytes, so each layer goes home once updated). ``prefetch``:
+        layers copied in ahead of the one running. Returns the :class:`~optstate_core.schedule.weight_stream.WeightStream`
         (``close()`` ends it; ``gathered()`` holds every layer on the device for a block)."""
         engine = self._engine
         owned = {id(p) for p, _ in engine.param_infos()}
-        return weight_stream.start(model, engine.clip_release, engine.boundary, owned, layers, prefetch)
+        stream = weight_stream.start(model, engine.clip_release, engine.boundary, owned, layers, prefetch)
+        layer_bytes = min(sum(layer.nbytes) for layer in stream.layers)
+        if self.options.release_bucket_bytes > layer_bytes:  # a layer goes home as soon as it is updated
+            log.info("optstate: release_bucket_bytes %d -> %d (a streamed layer's gradients)",
+                     self.options.release_bucket_bytes, layer_bytes)
+            engine.clip_release.bucket_bytes = layer_bytes
+            self._set_option(release_bucket_bytes=layer_bytes)
+        return stream
 
     def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
                            check_only: bool = False) -> bool:

@@ -57,7 +57,7 @@ def data(step, micro=0):
     return ids, torch.randint(0, VOCAB, (4, 16), generator=g)
 
 
-def train(model, opt, steps=3, accumulate=1):
+def train(model, opt, steps=3, accumulate=1):  # noqa: D103
     losses = []
     for s in range(steps):
         for micro in range(accumulate):
@@ -82,10 +82,19 @@ def same_run(preset, checkpointing="reentrant", dtype=torch.float32, accumulate=
     model = build(checkpointing, dtype)
     opt = wrapped(model, preset, **kw)
     stream = oc.stream_weights(model, opt)
-    losses = train(model, opt, accumulate=accumulate)
+    steps = 3
+    losses = train(model, opt, steps=steps, accumulate=accumulate)
     assert losses == ref_losses
-    for layer in model.layers:  # between steps the streamed layers hold no device storage
-        assert all(p.untyped_storage().nbytes() == 0 for p in layer.parameters())
+    # between steps the streamed layers hold no device storage, but the first prefetch + 1 = 2, which
+    # wait for the next forward (their host copies written back all the same)
+    for i, layer in enumerate(model.layers):
+        assert all((p.untyped_storage().nbytes() == 0) == (i >= 2) for p in layer.parameters()), i
+    layer_bytes = stream.host_bytes() // DEPTH
+    assert stream.d2h_bytes == steps * stream.host_bytes()  # each layer written back once a step
+    if checkpointing != "none" and accumulate == 1:
+        # in: every layer before the first forward, then each forward and each recompute all but the
+        # two layers that stayed over the turn (the first two for the forward, the last two for backward)
+        assert stream.h2d_bytes == DEPTH * layer_bytes + (2 * steps - 1) * (DEPTH - 2) * layer_bytes
     if checkpointing != "none":  # checkpointed: a forward holds one layer (+ the one prefetched) at a time
         seen = []
         hooks = [layer.register_forward_hook(lambda *a: seen.append(stream.device_bytes())) for layer in model.layers]
@@ -126,16 +135,16 @@ def test_streamed_training_equals_resident_under_gradient_accumulation():
 
 def test_gathered_brings_the_layers_back_and_writes_changes_to_the_host_copies():
     model, opt, stream, ref = same_run("8bit")
-    assert stream.device_bytes() == 0 and stream.host_bytes() == sum(
-        p.numel() * p.element_size() for p in model.layers.parameters())
+    assert stream.host_bytes() == sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    assert stream.device_bytes() == 2 * stream.host_bytes() // DEPTH  # the two that wait for the next forward
     with stream.gathered():
         assert stream.device_bytes() == stream.host_bytes()
         with torch.no_grad():
-            model.layers[0].up.weight.mul_(2)
-    assert stream.device_bytes() == 0
-    assert torch.equal(model.state_dict()["layers.0.up.weight"], 2 * ref.layers[0].up.weight.detach())
+            model.layers[3].up.weight.mul_(2)
+    assert stream.device_bytes() == 2 * stream.host_bytes() // DEPTH
+    assert torch.equal(model.state_dict()["layers.3.up.weight"], 2 * ref.layers[3].up.weight.detach())
     stream.close()  # streaming ends: the weights stay on the device, the hooks are gone
-    assert torch.equal(model.layers[0].up.weight, 2 * ref.layers[0].up.weight.detach())
+    assert torch.equal(model.layers[3].up.weight, 2 * ref.layers[3].up.weight.detach())
     train(model, opt, steps=1)
     assert all(p.untyped_storage().nbytes() > 0 for p in model.layers.parameters())
 
@@ -158,3 +167,18 @@ def test_bad_arguments_are_refused_by_name_and_change_nothing():
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # nothing was streamed
     ref = build()
     assert train(model, opt) == train(ref, wrapped(ref, "8bit"))
+
+
+def test_the_release_batch_shrinks_to_a_layer_so_each_layer_goes_home_once_updated():
+    model = build()
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), "8bit", release_gradients=True)
+    assert opt.options.release_bucket_bytes == 256 * 2**20
+    stream = oc.stream_weights(model, opt)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    assert opt.options.release_bucket_bytes == layer_bytes == opt.memory_report()["options"]["release_bucket_bytes"]
+    resident = []
+    for layer in model.layers:  # during backward at most two layers (and the one prefetched) are on the device
+        for p in layer.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: resident.append(stream.device_bytes()))
+    train(model, opt, steps=1)
+    assert max(resident) <= 3 * layer_bytes

@@ -17,10 +17,15 @@ host copy (pinned when the device is CUDA):
 * **update**: gradient release updates the device copy in backward (the paths ``step()`` takes,
   so a streamed run equals an unstreamed one bit for bit); once every parameter of the layer that
   had a gradient is updated, the device copy is written back to the host copy and freed. On a
-  backward that does not end in a step, the layer is freed once all its gradients are accumulated.
+  backward that does not end in a step, the layer is freed once all its gradients are accumulated;
+* **the turns**: the last ``prefetch + 1`` layers of a training forward stay for their recompute,
+  and the first ``prefetch + 1`` stay after their update for the next forward (written back all
+  the same), so the two turns of a step copy nothing.
 
-Copies run on the current stream (ordered with the compute that reads them; the host does not
-wait). ``model.state_dict()`` reads the host copies; :meth:`WeightStream.gathered` brings every
+On CUDA the copies in run on a copy stream of their own, behind the compute (the compute stream
+waits for a layer's copy only when it is about to run it; a copy in waits for that layer's last
+write-back), and the write-backs on the compute stream right after the update; a freed layer's
+memory is reused only after the compute queued before its release. The host never waits. ``model.state_dict()`` reads the host copies; :meth:`WeightStream.gathered` brings every
 layer to the device for code that reads or writes the weights directly (``load_state_dict``).
 """
 from __future__ import annotations
@@ -58,7 +63,8 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
 
 
 class _Layer:
-    """One streamed layer: its parameters, their host copies, whether the device holds them now."""
+    """One streamed layer: its parameters, their host copies, whether the device holds them now, and
+    the events that order its copies (CUDA)."""
 
     def __init__(self, index: int, module: nn.Module, pin: bool):
         self.index, self.module = index, module
@@ -68,40 +74,68 @@ class _Layer:
         self.resident = True
         self.keep = False  # autograd reads these weights (a forward with gradients): kept until updated
         self.waiting: set = set()  # ids of parameters whose update (or accumulation) this backward awaits
+        self.loaded = None  # CUDA: the event after the copy in (the compute stream waits for it)
+        self.written = None  # CUDA: the event after the last write-back (the next copy in waits for it)
 
     def write_back(self) -> None:
-        """Device copy -> host copy (pinned: the host does not wait for it on CUDA)."""
+        """Device copy -> host copy, on the compute stream after the update (pinned: the host does
+        not wait)."""
         with torch.no_grad():
             for p, h in zip(self.params, self.host):
                 h.copy_(p.detach(), non_blocking=h.is_pinned())
+        if self.params[0].is_cuda:
+            self.written = torch.cuda.Event()
+            self.written.record()
 
     def free(self) -> None:
+        """Give the device storage back; on CUDA the memory is reused only after the compute stream's
+        work queued so far (it was allocated on the copy stream)."""
         for p in self.params:
+            if p.is_cuda:
+                p.record_stream(torch.cuda.current_stream(p.device))
             p.untyped_storage().resize_(0)
         self.resident, self.keep = False, False
 
-    def load(self) -> None:
-        """Host copy -> a fresh device storage."""
-        with torch.no_grad():
+    def load(self, stream) -> None:
+        """Host copy -> a fresh device storage, on ``stream`` (CUDA: the copy stream; None: the
+        current stream)."""
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if stream is not None and self.written is not None:
+                stream.wait_event(self.written)
             for p, h, n in zip(self.params, self.host, self.nbytes):
                 p.untyped_storage().resize_(n)
                 p.detach().copy_(h, non_blocking=h.is_pinned())
+            if stream is not None:
+                self.loaded = torch.cuda.Event()
+                self.loaded.record(stream)
         self.resident = True
+
+    def ready(self) -> None:
+        """Make the compute stream wait for the copy in (CUDA)."""
+        if self.loaded is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_event(self.loaded)
+            self.loaded = None
 
 
 class WeightStream:
-    """Streams the weights of ``layers`` through the device around each visit (see the module doc)."""
+    """Streams the weights of ``layers`` through the device around each visit (see the module doc).
+    The ``prefetch + 1`` layers at each turn stay on the device across it: the last ones from their
+    forward to their recompute, the first ones from their update to the next forward."""
 
     def __init__(self, layers: Sequence[nn.Module], release, boundary, prefetch: int = 1):
         self.release, self.boundary, self.prefetch = release, boundary, prefetch
         self.layers: List[_Layer] = []
         self._layer_of: Dict[int, _Layer] = {}
+        self._index_of: Dict[int, int] = {}
         self._handles = []
-        self.h2d_bytes = 0  # bytes copied in / written back since the last reset_counters()
+        self.h2d_bytes = 0  # bytes copied in / written back so far
         self.d2h_bytes = 0
+        cuda = [p.device for m in layers for p in m.parameters() if p.is_cuda]
+        self.copy_stream = torch.cuda.Stream(cuda[0]) if cuda else None
         for i, module in enumerate(layers):
-            layer = _Layer(i, module, pin=any(p.is_cuda for p in module.parameters()))
+            layer = _Layer(i, module, pin=bool(cuda))
             self.layers.append(layer)
+            self._index_of[id(module)] = i
             for p in layer.params:
                 self._layer_of[id(p)] = layer
                 self._handles.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
@@ -113,30 +147,31 @@ class WeightStream:
         release.add_update_listener(self._updated)
 
     # -- the visits --------------------------------------------------------------------------------
-    def _index(self, module) -> int:
-        return next(layer.index for layer in self.layers if layer.module is module)
-
     def _bring(self, layer: _Layer) -> None:
         if not layer.resident:
-            layer.load()
+            layer.load(self.copy_stream)
             self.h2d_bytes += sum(layer.nbytes)
 
     def _before_forward(self, module, args) -> None:
         """This layer, and the ``prefetch`` layers after it (before it in a recompute: backward runs
         the layers in reverse)."""
-        i, backward = self._index(module), in_backward()
+        i, backward = self._index_of[id(module)], in_backward()
         ahead = self.layers[max(0, i - self.prefetch):i][::-1] if backward else self.layers[i + 1:i + 1 + self.prefetch]
-        for layer in [self.layers[i]] + ahead:
-            self._bring(layer)
         layer = self.layers[i]
-        if backward or (torch.is_grad_enabled() and not under_checkpoint()):
+        for each in [layer] + ahead:
+            self._bring(each)
+        layer.ready()
+        saves = torch.is_grad_enabled() and not under_checkpoint()
+        turn = module.training and i >= len(self.layers) - 1 - self.prefetch
+        if backward or saves or turn:
             # autograd reads these weights (a recompute, which may stop before the forward's end, or a
-            # forward that saves them): they stay until their update, or until their gradients are in
+            # forward that saves them), or a training forward's turn to backward is near: they stay
+            # until their update, or until their gradients are in
             layer.keep = True
             layer.waiting = {id(p) for p in layer.params if p.requires_grad}
 
     def _after_forward(self, module, args, output) -> None:
-        layer = self.layers[self._index(module)]
+        layer = self.layers[self._index_of[id(module)]]
         if not layer.keep:
             layer.free()
 
@@ -160,7 +195,10 @@ class WeightStream:
         if write:
             layer.write_back()
             self.d2h_bytes += sum(layer.nbytes)
-        layer.free()
+        if layer.index > self.prefetch:  # the first layers wait on the device for the next forward
+            layer.free()
+        else:
+            layer.keep = False
 
     # -- outside the visits ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -170,6 +208,7 @@ class WeightStream:
         was = [layer.resident for layer in self.layers]
         for layer in self.layers:
             self._bring(layer)
+            layer.ready()
         try:
             yield
         finally:
@@ -190,6 +229,7 @@ class WeightStream:
         """Bring every layer back to the device for good and remove the hooks."""
         for layer in self.layers:
             self._bring(layer)
+            layer.ready()
             layer.keep = False
         for h in self._handles:
             h.remove()

@@ -1,0 +1,82 @@
+"""Weight streaming on one GPU: a Llama shape trained with its decoder layers' weights streamed from
+host memory, against the same run with the weights resident. One case per call.
+
+Usage (from a checkout, on a GPU)::
+
+    PYTHONPATH=.:integrations python tools/stream_gpu.py MODE CAP_GB MICRO_BATCH [SHAPE [STEPS [SEQ [RESIDENT]]]]
+    python tools/stream_gpu.py resident 0 1 8b 6; python tools/stream_gpu.py streamed 12 1 8b 6
+
+MODE ``resident``: preset ``bf16w-4bit-lean`` (state on the GPU), weights resident; ``streamed``: preset
+``bf16w-4bit-lean-offload`` (state in host memory) and ``stream_weights`` on all decoder layers but the
+last RESIDENT (default 0), which stay on the device. Both: bf16 weights, gradient
+release, non-reentrant activation checkpointing, the chunked loss, random tokens. The model is built
+on the whole card (``apps.llama.build_model``); CAP_GB (1e9 bytes; 0: none) is applied after
+streaming has freed the layers, and the peak is measured from there. Prints one JSON line: s/step
+(wall clock over steps 3..STEPS, the device synchronised at both ends), tokens/s, the peak
+(``max_memory_allocated``), the streamed bytes, the process RSS and the losses.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "integrations")]
+
+
+def rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return round(kb / 2**20, 2)
+
+
+def main(mode: str, cap_gb: float, micro_batch: int, shape: str = "8b", steps: int = 6, seq: int = 2048,
+         resident: int = 0) -> dict:
+    import optstate_core as oc
+    from optstate_core.apps.chunked_loss import use_chunked_loss
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model
+
+    model = build_model(NAMED_SHAPES[shape], "cuda", torch.bfloat16, checkpointing=True)
+    use_chunked_loss(model)
+    preset = "bf16w-4bit-lean-offload" if mode == "streamed" else "bf16w-4bit-lean"
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0), preset, release_gradients=True)
+    layers = list(model.model.layers)
+    stream = oc.stream_weights(model, opt, layers=layers[:len(layers) - resident]) if mode == "streamed" else None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if cap_gb:
+        torch.cuda.set_per_process_memory_fraction(cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
+    torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator().manual_seed(0)
+    losses, t0, status = [], None, "ok"
+    try:
+        for step in range(steps):
+            if step == 2:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            ids = torch.randint(0, 32000, (micro_batch, seq), generator=gen).cuda()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(round(loss.item(), 4))
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        status = "OOM"
+    step_s = (time.perf_counter() - t0) / (steps - 2) if status == "ok" else None
+    return {"case": [mode, cap_gb, micro_batch, shape, seq, resident], "status": status, "step_s": step_s and round(step_s, 3),
+            "tokens_per_s": step_s and round(micro_batch * seq / step_s), "losses": losses,
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "rss_gib": rss_gib(),
+            "streamed_host_gib": stream and round(stream.host_bytes() / 2**30, 2),
+            "h2d_gib": stream and round(stream.h2d_bytes / 2**30, 1), "d2h_gib": stream and round(stream.d2h_bytes / 2**30, 1)}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4 or sys.argv[1] not in ("resident", "streamed"):
+        sys.exit(__doc__)
+    rest = sys.argv[4:5] + [int(a) for a in sys.argv[5:8]]
+    print(json.dumps(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), *rest)), flush=True)
