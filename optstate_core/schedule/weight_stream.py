@@ -22,10 +22,11 @@ host copy (pinned when the device is CUDA):
   and the first ``prefetch + 1`` stay after their update for the next forward (written back all
   the same), so the two turns of a step copy nothing.
 
-On CUDA the copies in run on a copy stream of their own, behind the compute (the compute stream
-waits for a layer's copy only when it is about to run it; a copy in waits for that layer's last
-write-back), and the write-backs on the compute stream right after the update; a freed layer's
-memory is reused only after the compute queued before its release. The host never waits. ``model.state_dict()`` reads the host copies; :meth:`WeightStream.gathered` brings every
+On CUDA the copies in run on a copy stream and the write-backs on a stream of their own, both
+behind the compute: the compute stream waits for a layer's copy in only when it is about to run
+it, a write-back waits for the update, a copy in for that layer's last write-back, and a freed
+layer's memory is reused only after the compute and the write-back queued before its release. The
+host never waits. ``model.state_dict()`` reads the host copies; :meth:`WeightStream.gathered` brings every
 layer to the device for code that reads or writes the weights directly (``load_state_dict``).
 """
 from __future__ import annotations
@@ -77,15 +78,24 @@ class _Layer:
         self.loaded = None  # CUDA: the event after the copy in (the compute stream waits for it)
         self.written = None  # CUDA: the event after the last write-back (the next copy in waits for it)
 
-    def write_back(self) -> None:
-        """Device copy -> host copy, on the compute stream after the update (pinned: the host does
-        not wait)."""
-        with torch.no_grad():
+    def write_back(self, stream) -> None:
+        """Device copy -> host copy after the update queued so far: on ``stream`` (CUDA: the
+        write-back stream, so the compute goes on meanwhile; the device memory is kept until the
+        copy is done) or the current one (None)."""
+        if stream is None:
+            with torch.no_grad():
+                for p, h in zip(self.params, self.host):
+                    h.copy_(p.detach())
+            return
+        updated = torch.cuda.Event()
+        updated.record()
+        with torch.no_grad(), torch.cuda.stream(stream):
+            stream.wait_event(updated)
             for p, h in zip(self.params, self.host):
-                h.copy_(p.detach(), non_blocking=h.is_pinned())
-        if self.params[0].is_cuda:
+                h.copy_(p.detach(), non_blocking=True)
+                p.record_stream(stream)
             self.written = torch.cuda.Event()
-            self.written.record()
+            self.written.record(stream)
 
     def free(self) -> None:
         """Give the device storage back; on CUDA the memory is reused only after the compute stream's
@@ -111,10 +121,12 @@ class _Layer:
         self.resident = True
 
     def ready(self) -> None:
-        """Make the compute stream wait for the copy in (CUDA)."""
-        if self.loaded is not None:
-            torch.cuda.current_stream(self.params[0].device).wait_event(self.loaded)
-            self.loaded = None
+        """Make the compute stream wait for the copy in, or for a layer that stayed on the device,
+        its last write-back (its next update must not overwrite what is still being copied)."""
+        event = self.loaded if self.loaded is not None else self.written
+        if event is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_event(event)
+        self.loaded = None  # (``written`` stays: the next copy in waits for it too; a done event costs nothing)
 
 
 class WeightStream:
@@ -131,7 +143,8 @@ class WeightStream:
         self.h2d_bytes = 0  # bytes copied in / written back so far
         self.d2h_bytes = 0
         cuda = [p.device for m in layers for p in m.parameters() if p.is_cuda]
-        self.copy_stream = torch.cuda.Stream(cuda[0]) if cuda else None
+        self.copy_stream = torch.cuda.Stream(cuda[0]) if cuda else None  # copies in
+        self.home_stream = torch.cuda.Stream(cuda[0]) if cuda else None  # write-backs
         for i, module in enumerate(layers):
             layer = _Layer(i, module, pin=bool(cuda))
             self.layers.append(layer)
@@ -142,7 +155,7 @@ class WeightStream:
             self._handles += [module.register_forward_pre_hook(self._before_forward),
                               module.register_forward_hook(self._after_forward)]
             self._handles += module._register_state_dict_hook(_host_state_dict(layer)),
-            layer.write_back()
+            layer.write_back(self.home_stream)
             layer.free()
         release.add_update_listener(self._updated)
 
@@ -193,7 +206,7 @@ class WeightStream:
         if layer.waiting or not layer.resident:
             return
         if write:
-            layer.write_back()
+            layer.write_back(self.home_stream)
             self.d2h_bytes += sum(layer.nbytes)
         if layer.index > self.prefetch:  # the first layers wait on the device for the next forward
             layer.free()
@@ -214,7 +227,7 @@ class WeightStream:
         finally:
             for layer, resident in zip(self.layers, was):
                 if not resident and not layer.keep:
-                    layer.write_back()
+                    layer.write_back(self.home_stream)
                     layer.free()
 
     def host_bytes(self) -> int:
