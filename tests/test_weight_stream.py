@@ -182,3 +182,85 @@ def test_the_release_batch_shrinks_to_a_layer_so_each_layer_goes_home_once_updat
             p.register_post_accumulate_grad_hook(lambda p: resident.append(stream.device_bytes()))
     train(model, opt, steps=1)
     assert max(resident) <= 3 * layer_bytes
+
+
+def test_weights_offloaded_before_the_optimizer_exists_are_streamed_from_there():
+    """offload_weights() (a model built layer by layer, or handed to a Trainer that moves it to the
+    GPU before it builds the optimizer): the same training, bit for bit, and nothing copied at wrap."""
+    ref = build()
+    ref_losses = train(ref, wrapped(ref, "8bit"))
+    model = build()
+    moved = oc.offload_weights(model)
+    assert moved == sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.layers.parameters())
+    model.to("cpu")  # a framework's move: nothing to move
+    opt = wrapped(model, "8bit")
+    stream = oc.stream_weights(model, opt)
+    assert stream.d2h_bytes == 0 and stream.host_bytes() == moved
+    assert train(model, opt) == ref_losses
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_llama_built_one_layer_at_a_time_trains_as_the_one_built_whole():
+    """apps.llama.build_model(stream=True): the decoder layers go to host memory one by one as they
+    are initialised (never all materialised at once), with the values the whole build gives; streamed
+    through a Hugging Face model (its own checkpointing), training equals the resident model's."""
+    pytest.importorskip("transformers")
+    from optstate_core.apps.llama import LlamaShape, build_model
+
+    shape = LlamaShape(hidden=64, layers=3, ffn=128, heads=4, kv_heads=2, vocab=100)
+    whole = build_model(shape, "cpu", torch.float32, checkpointing=True)
+    streamed = build_model(shape, "cpu", torch.float32, checkpointing=True, stream=True)
+    assert all(p.untyped_storage().nbytes() == 0 for p in streamed.model.layers.parameters())
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (whole, streamed):
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "8bit", release_gradients=True)
+        if model is streamed:
+            oc.stream_weights(model, opt)
+        run = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0] == losses[1]
+    whole_sd, streamed_sd = whole.state_dict(), streamed.state_dict()
+    assert all(torch.equal(whole_sd[k], streamed_sd[k]) for k in whole_sd)
+
+
+@pytest.mark.parametrize("preset", ["8bit", "bf16w-8bit"])
+def test_a_streamed_run_resumes_from_its_checkpoint_bit_for_bit(preset):
+    """model.state_dict() (the host copies) and the optimizer's state_dict saved mid-run, loaded into
+    a fresh streamed model and optimizer (load_state_dict writes through to the host copies): the
+    resumed run equals the uninterrupted one."""
+    dtype = torch.bfloat16 if preset.startswith("bf16w") else torch.float32
+    whole = build(dtype=dtype)
+    whole_opt = wrapped(whole, preset)
+    oc.stream_weights(whole, whole_opt)
+    expected = train(whole, whole_opt, steps=4)
+    first = build(dtype=dtype)
+    first_opt = wrapped(first, preset)
+    oc.stream_weights(first, first_opt)
+    assert train(first, first_opt, steps=2) == expected[:2]
+    saved = {k: v.clone() for k, v in first.state_dict().items()}, first_opt.state_dict()
+    resumed = build(dtype=dtype)
+    resumed_opt = wrapped(resumed, preset)
+    stream = oc.stream_weights(resumed, resumed_opt)
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    assert stream.device_bytes() <= 2 * stream.host_bytes() // DEPTH
+    losses = []
+    for s in (2, 3):  # the batches the uninterrupted run saw at steps 2 and 3
+        ids, target = data(s)
+        loss = nn.functional.cross_entropy(resumed(ids).float().flatten(0, 1), target.flatten())
+        loss.backward()
+        resumed_opt.step()
+        resumed_opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == expected[2:]
+    for key, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key

@@ -9,9 +9,9 @@ Usage (from a checkout, on a GPU)::
 MODE ``resident``: preset ``bf16w-4bit-lean`` (state on the GPU), weights resident; ``streamed``: preset
 ``bf16w-4bit-lean-offload`` (state in host memory) and ``stream_weights`` on all decoder layers but the
 last RESIDENT (default 0), which stay on the device. Both: bf16 weights, gradient
-release, non-reentrant activation checkpointing, the chunked loss, random tokens. The model is built
-on the whole card (``apps.llama.build_model``); CAP_GB (1e9 bytes; 0: none) is applied after
-streaming has freed the layers, and the peak is measured from there. Prints one JSON line: s/step
+release, non-reentrant activation checkpointing, the chunked loss, random tokens. CAP_GB (1e9 bytes; 0:
+none) applies from the start: a streamed model is built one layer at a time into host memory
+(``apps.llama.build_model(stream=True)``), so it never is on the GPU whole. Prints one JSON line: s/step
 (wall clock over steps 3..STEPS, the device synchronised at both ends), tokens/s, the peak
 (``max_memory_allocated``), the streamed bytes, the process RSS and the losses.
 """
@@ -40,16 +40,18 @@ def main(mode: str, cap_gb: float, micro_batch: int, shape: str = "8b", steps: i
     from optstate_core.apps.chunked_loss import use_chunked_loss
     from optstate_core.apps.llama import NAMED_SHAPES, build_model
 
-    model = build_model(NAMED_SHAPES[shape], "cuda", torch.bfloat16, checkpointing=True)
+    if cap_gb:  # from the start: the model is built under it too
+        torch.cuda.set_per_process_memory_fraction(cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
+    streamed = mode == "streamed"
+    model = build_model(NAMED_SHAPES[shape], "cuda", torch.bfloat16, checkpointing=True, stream=streamed)
     use_chunked_loss(model)
-    preset = "bf16w-4bit-lean-offload" if mode == "streamed" else "bf16w-4bit-lean"
+    preset = "bf16w-4bit-lean-offload" if streamed else "bf16w-4bit-lean"
     opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0), preset, release_gradients=True)
     layers = list(model.model.layers)
-    stream = oc.stream_weights(model, opt, layers=layers[:len(layers) - resident]) if mode == "streamed" else None
+    if streamed and resident:  # the last RESIDENT layers come back to stay
+        oc.stream_weights(model, opt, layers=layers[len(layers) - resident:]).close()
+    stream = oc.stream_weights(model, opt, layers=layers[:len(layers) - resident]) if streamed else None
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    if cap_gb:
-        torch.cuda.set_per_process_memory_fraction(cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
     torch.cuda.reset_peak_memory_stats()
     gen = torch.Generator().manual_seed(0)
     losses, t0, status = [], None, "ok"

@@ -105,7 +105,7 @@ def _size(text) -> Union[int, str]:
 class Key:
     parse: Callable
     help: str
-    target: str  # "policy", "wrap", "adaptive" or "auto" (optstate_adamw_auto's plan): where the value goes
+    target: str  # "policy", "wrap", "adaptive", "auto" (optstate_adamw_auto's plan) or "callback" (OptStateCallback)
 
 
 #: Every accepted ``optim_args`` key: parser, meaning, and where it goes.
@@ -135,6 +135,8 @@ KEYS: Dict[str, Key] = {
     "clip_mode": Key(_clip_mode, "how max_grad_norm clips: auto, global, previous or per_tensor", "wrap"),
     "release_bucket_bytes": Key(_size_or_zero, "with release_gradients: gradient bytes pending before one batched "
                                                "update (default 256MiB; 0: each parameter in its own hook)", "wrap"),
+    "stream_weights": Key(_bool, "keep the decoder layers' weights in host memory and stream them through the GPU "
+                                 "(needs release_gradients=true; docs/weight-streaming.md)", "callback"),
     "seq_len": Key(_int(1), "auto: tokens per sequence to plan for (default: the trainer's max_length, else the "
                             "model's max_position_embeddings)", "auto"),
     "gpu_memory": Key(_size, "auto: GPU bytes to plan for (default: the device's free memory plus this process's "

@@ -64,18 +64,28 @@ class OptStateCallback(TrainerCallback):
       ``report_to`` integrations like any metric. To get there first it moves itself to the
       front of the Trainer's callback list.
 
+    - Weight streaming (``stream_weights=True``, or ``optim_args="stream_weights=true,release_gradients=true"``):
+      at the start of training the model's decoder layers go to host memory and stream through the
+      GPU (``optstate_core.stream_weights``; docs/weight-streaming.md).
+
     Args:
         log_metrics: add the optimizer metrics to the logs.
         prefix: prefix of the metric names.
         feed_loss: feed logged losses to the policy (only policies that want them).
+        stream_weights: stream the weights (None: as ``optim_args`` says).
     """
 
-    def __init__(self, log_metrics: bool = True, prefix: str = "optstate/", feed_loss: bool = True):
+    def __init__(self, log_metrics: bool = True, prefix: str = "optstate/", feed_loss: bool = True,
+                 stream_weights: Optional[bool] = None):
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a string, got {prefix!r}")
+        if stream_weights is not None and not isinstance(stream_weights, bool):
+            raise ValueError(f"stream_weights must be None, True or False, got {stream_weights!r}")
         self.log_metrics = bool(log_metrics)
         self.prefix = prefix
         self.feed_loss = bool(feed_loss)
+        self.stream_weights = stream_weights
+        self.stream = None  # the WeightStream, while the weights stream
         self.optimizer: Optional[oc.VirtualOptimizer] = None
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -93,9 +103,20 @@ class OptStateCallback(TrainerCallback):
         gradient_state = getattr(optimizer, "gradient_state", None)
         if gradient_state is not None:
             opt.bind_step_boundary(lambda: gradient_state.sync_gradients)
+        if self.stream is None and self._wants_stream(args):
+            self.stream = oc.stream_weights(kwargs["model"], opt)
         if self.log_metrics and not _run_first(self):
             log.warning("OptStateCallback could not run ahead of the other callbacks: optimizer metrics reach "
                         "trainer.state.log_history but not report_to integrations")
+
+    def _wants_stream(self, args) -> bool:
+        if self.stream_weights is not None:
+            return self.stream_weights
+        optim = getattr(args.optim, "value", args.optim)
+        if not str(optim).startswith("optstate_") or not args.optim_args:
+            return False
+        from .args import parse_optim_args
+        return bool(parse_optim_args(args.optim_args).get("stream_weights"))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         opt = self.optimizer

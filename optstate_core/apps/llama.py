@@ -57,14 +57,18 @@ NAMED_SHAPES = {
 
 
 def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, checkpointing: bool = False,
-                seed: int = 0, shard=None):
+                seed: int = 0, shard=None, stream: bool = False):
     """A ``transformers`` LlamaForCausalLM of ``shape``, built on the meta device and materialized
     directly on ``device`` in ``dtype`` (random init N(0, 0.02) for matrices, ones for norms): an
     8B model takes seconds and never exists on the host. ``shard(model)``: called on the meta
     model before it is materialized (FSDP2's ``fully_shard`` of each layer and the root), so each
     rank allocates and initializes only its own shards (a 70B model never exists whole on a rank;
-    each rank's shards draw from a stream seeded by ``seed`` and the rank)."""
+    each rank's shards draw from a stream seeded by ``seed`` and the rank). ``stream``: the decoder
+    layers are materialized one at a time and moved to host memory (``offload_weights``) before the
+    next, so they never are on ``device`` together (for ``stream_weights``; the same values)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..schedule.weight_stream import offload_weights
 
     config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
@@ -77,15 +81,32 @@ def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, c
         shard(model)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             seed = seed * 1_000_003 + torch.distributed.get_rank()
-    model = model.to_empty(device=device)
+    layers = list(model.model.layers) if stream else []
+    if stream:  # all but the streamed layers now; those one at a time below
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        for module in model.modules():
+            if id(module) not in inside:
+                module.to_empty(device=device, recurse=False)
+    else:
+        model = model.to_empty(device=device)
+    names = [name for name, _ in model.named_parameters()]  # (to_empty swaps a meta parameter for a new one)
+    layer_of = {name: int(name.split(".")[2]) for name in names if stream and name.startswith("model.layers.")}
+    last_of = {i: name for name, i in layer_of.items()}  # each layer's last parameter, in this order
+    first_of = {i: name for name, i in reversed(layer_of.items())}
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for name in names:  # in the same order, with or without streaming: the same values
+            i = layer_of.get(name)
+            if i is not None and first_of[i] == name:
+                layers[i].to_empty(device=device)
+            p = model.get_parameter(name)
             local = p._local_tensor if hasattr(p, "_local_tensor") else p  # a DTensor's own shard
             if p.dim() >= 2:
                 local.normal_(0.0, 0.02, generator=gen)
             else:
                 local.fill_(1.0)
+            if i is not None and last_of[i] == name:
+                offload_weights(model, [layers[i]])
         for name, module in list(model.named_modules()):  # non-persistent buffers (rotary inv_freq) are recomputed
             if type(module).__name__.endswith("RotaryEmbedding"):
                 parent_name, _, attr = name.rpartition(".")

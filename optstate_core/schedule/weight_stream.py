@@ -26,13 +26,15 @@ On CUDA the copies in run on a copy stream and the write-backs on a stream of th
 behind the compute: the compute stream waits for a layer's copy in only when it is about to run
 it, a write-back waits for the update, a copy in for that layer's last write-back, and a freed
 layer's memory is reused only after the compute and the write-back queued before its release. The
-host never waits. ``model.state_dict()`` reads the host copies; :meth:`WeightStream.gathered` brings every
-layer to the device for code that reads or writes the weights directly (``load_state_dict``).
+host never waits. ``model.state_dict()`` reads the host copies, ``model.load_state_dict()`` writes through the device
+copy to them; :meth:`WeightStream.gathered` brings every layer to the device for code that reads or
+writes the weights directly.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -63,6 +65,40 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
     return list(best)
 
 
+#: host copies of parameters whose weights :func:`offload_weights` moved before an optimizer
+#: existed; :class:`WeightStream` takes them over
+#: (keyed by id: a tensor key would be compared by value) -> (a weak reference to it, its host copy)
+_OFFLOADED: Dict[int, tuple] = {}
+
+
+def _take_offloaded(p) -> Optional[torch.Tensor]:
+    """The host copy offload_weights() made of ``p`` (handed over: forgotten here), or None."""
+    entry = _OFFLOADED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    del _OFFLOADED[id(p)]
+    return entry[1]
+
+
+def offload_weights(model: nn.Module, layers: Optional[Sequence[nn.Module]] = None) -> int:
+    """Move the weights of ``model``'s decoder layers (or ``layers``) to host memory now (pinned for
+    CUDA), their device storage freed; :func:`stream_weights` later streams them from there. For a
+    model built one layer at a time (``apps.llama.build_model(stream=True)``) or handed to a
+    framework that moves the model to the GPU before it builds the optimizer (the HF Trainer: the
+    move is then a no-op). Returns the bytes moved."""
+    moved = 0
+    for module in (decoder_layers(model) if layers is None else layers):
+        for p in module.parameters():
+            if _OFFLOADED.get(id(p), (lambda: None,))[0]() is p or p.device.type == "meta":
+                continue
+            host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_cuda)
+            host.copy_(p.detach())
+            p.untyped_storage().resize_(0)
+            _OFFLOADED[id(p)] = (weakref.ref(p, lambda _, key=id(p): _OFFLOADED.pop(key, None)), host)
+            moved += host.numel() * host.element_size()
+    return moved
+
+
 class _Layer:
     """One streamed layer: its parameters, their host copies, whether the device holds them now, and
     the events that order its copies (CUDA)."""
@@ -70,7 +106,9 @@ class _Layer:
     def __init__(self, index: int, module: nn.Module, pin: bool):
         self.index, self.module = index, module
         self.params = [p for p in module.parameters()]
-        self.host = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in self.params]
+        offloaded = [_take_offloaded(p) for p in self.params]  # offload_weights() moved them already
+        self.host = [h if h is not None else torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                     for p, h in zip(self.params, offloaded)]
         self.nbytes = [p.numel() * p.element_size() for p in self.params]
         self.resident = True
         self.keep = False  # autograd reads these weights (a forward with gradients): kept until updated
@@ -82,16 +120,17 @@ class _Layer:
         """Device copy -> host copy after the update queued so far: on ``stream`` (CUDA: the
         write-back stream, so the compute goes on meanwhile; the device memory is kept until the
         copy is done) or the current one (None)."""
+        pairs = [(p, h) for p, h in zip(self.params, self.host) if p.untyped_storage().nbytes()]
         if stream is None:
             with torch.no_grad():
-                for p, h in zip(self.params, self.host):
+                for p, h in pairs:
                     h.copy_(p.detach())
             return
         updated = torch.cuda.Event()
         updated.record()
         with torch.no_grad(), torch.cuda.stream(stream):
             stream.wait_event(updated)
-            for p, h in zip(self.params, self.host):
+            for p, h in pairs:
                 h.copy_(p.detach(), non_blocking=True)
                 p.record_stream(stream)
             self.written = torch.cuda.Event()
@@ -101,7 +140,7 @@ class _Layer:
         """Give the device storage back; on CUDA the memory is reused only after the compute stream's
         work queued so far (it was allocated on the copy stream)."""
         for p in self.params:
-            if p.is_cuda:
+            if p.is_cuda and p.untyped_storage().nbytes():
                 p.record_stream(torch.cuda.current_stream(p.device))
             p.untyped_storage().resize_(0)
         self.resident, self.keep = False, False
@@ -154,8 +193,10 @@ class WeightStream:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
             self._handles += [module.register_forward_pre_hook(self._before_forward),
                               module.register_forward_hook(self._after_forward)]
-            self._handles += module._register_state_dict_hook(_host_state_dict(layer)),
-            layer.write_back(self.home_stream)
+            self._handles += [module._register_state_dict_hook(_host_state_dict(layer)),
+                              module.register_load_state_dict_pre_hook(self._before_load),
+                              module.register_load_state_dict_post_hook(self._after_load)]
+            layer.write_back(self.home_stream)  # (those offload_weights() moved have nothing to write)
             layer.free()
         release.add_update_listener(self._updated)
 
@@ -212,6 +253,19 @@ class WeightStream:
             layer.free()
         else:
             layer.keep = False
+
+    def _before_load(self, module, *args) -> None:
+        """``load_state_dict`` writes into the device copy: bring the layer first."""
+        layer = self.layers[self._index_of[id(module)]]
+        self._bring(layer)
+        layer.ready()
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        """... then write the loaded weights home and free the layer again."""
+        layer = self.layers[self._index_of[id(module)]]
+        layer.write_back(self.home_stream)
+        if not layer.keep and layer.index > self.prefetch:
+            layer.free()
 
     # -- outside the visits ------------------------------------------------------------------------
     @contextlib.contextmanager
