@@ -1,9 +1,10 @@
 """``optstate plan --stream-weights``: the bf16 weights streamed from pinned host memory (a planner estimate).
 
-Not built yet: this plans the feature. The bf16 weights live in pinned host memory; a GPU window
-of ``window`` decoder layers (the one in use and the prefetched ones) is filled ahead of each
-layer's forward and again ahead of its recompute + backward (activation checkpointing, one
-checkpoint per layer); the fused release step updates the GPU copy and writes it back. The
+What ``stream_weights`` does (schedule/weight_stream.py): the bf16 weights live in pinned host memory;
+a GPU window of ``window`` decoder layers (the one in use, the prefetched one, and the one whose
+update is still pending) is filled ahead of each layer's forward and again ahead of its recompute +
+backward (activation checkpointing, one checkpoint per layer); the fused release step updates the
+GPU copy and writes it back, and the release batch shrinks to a layer. The
 embeddings, final norm and lm_head stay on the GPU (needed at both ends of forward and first in
 backward). Resident layers are not streamed: the planner keeps as many as fit, because a resident
 layer saves three copies of its weights (two in, one out) per GPU byte, more than anything else
@@ -11,7 +12,9 @@ saves. Then the state (the preset's codecs, :func:`~optstate_core.apps.plan.para
 preset keeps on the GPU stays there as far as room is left, the embeddings' first, then layer by
 layer; the rest lives in host memory and crosses PCIe both ways per step. The layer checkpoints
 (each layer's saved input) stay on the GPU or, when that streams fewer bytes, live in host memory
-(under ``host_activations_cap``): out in forward, in during backward. The recomputed layer's
+(under ``host_activations_cap``, 0 by default: ``stream_weights`` does not move them yet, so only
+``--host-activations`` plans it): out in forward, in during backward. ``resident_layers`` and
+``state_budget`` (``gpu_budget``) fix what the greedy choice would pick, to plan a run as it is set up. The recomputed layer's
 working set and the fused (chunked) loss's stay on the GPU.
 
 ``gpus`` > 1: a node, every figure per GPU. Each GPU holds its FSDP2 shard of the resident layers'
@@ -40,7 +43,7 @@ from .plan import BUDGET_MARGIN, RELEASE_BUCKET_BYTES, STAGING_BYTES, gib, param
 log = logging.getLogger("optstate.plan")
 
 DEFAULT_PRESET = "bf16w-4bit-lean"
-DEFAULT_WINDOW = 2  # streamed layers on the GPU at once: the one in use and the prefetched one
+DEFAULT_WINDOW = 3  # streamed layers on the GPU at once: in use, prefetched, awaiting its update (prefetch=1)
 #: pinned host<->device bytes/s on one H200 (docs/benchmarks-journal.md, its header; tools/duplex_bandwidth.py):
 #: 55.3 GB/s one way alone, 101.6 GB/s in total with both directions copying at once (50.8 each way)
 PCIE_ONE_WAY = 55.3e9
@@ -49,7 +52,7 @@ PCIE_DUPLEX = 50.8e9
 #: FSDP2 on 4 x H200, 1 x 4096 per rank, no optimizer, 4,649 ms per iteration (BENCHMARKS.md, H200s 2026-11-28):
 #: 8 x 70.55e9 x 4096 / 4.649 s = 497 TFLOP/s, about half the H200's dense bf16 peak
 DEFAULT_TFLOPS = 500.0
-HOST_ACTIVATIONS_CAP = 32 * 2**30  # pinned host memory the layer checkpoints may take
+HOST_ACTIVATIONS_CAP = 0  # pinned host memory the layer checkpoints may take (not built: planned only on request)
 #: host memory a training process holds beside its pinned bytes: 38.55 GiB RSS per rank for 33.88 GiB of pinned
 #: state (Llama-3-70B, 4 x H100, shared pinned slabs; docs/benchmarks-journal.md section 28): the process itself
 #: (2.0 GiB measured without an optimizer), CUDA's host allocations and the slabs' slack
@@ -208,24 +211,35 @@ def staged_ahead(root: Unit, layers: List[Unit], gpus: int, release_bucket_bytes
     return min(shard(state, gpus), (shard(largest, gpus) + Tuning.from_env().stage_ahead * release_bucket_bytes // BF16) * state // n)
 
 
-def fill(plan: StreamPlan, root: Unit, layers: List[Unit], base: Dict[str, int], ring: int) -> bool:
-    """Fill ``plan``: most layers resident beside ``base`` (+ ring), then state; False if the window does not fit."""
+def fill(plan: StreamPlan, root: Unit, layers: List[Unit], base: Dict[str, int], ring: int,
+         resident_layers: Optional[int] = None, state_budget: Optional[int] = None,
+         release_bucket_bytes: int = RELEASE_BUCKET_BYTES) -> bool:
+    """Fill ``plan``: most layers resident beside ``base`` (+ ring), then state; False if the window does not fit.
+    ``resident_layers``/``state_budget``: as given instead of as many as fit."""
     g, count = plan.gpus, len(layers)
     weights = shard(max((u.params for u in layers), default=0), g) * BF16  # a layer's (shard of) weights
     all_state = sum(shard(u.state_gpu, g) for u in [root, *layers])
     no_host_state = not any(u.state_host for u in [root, *layers])
     room = plan.gpu_memory - sum(base.values())
-    if no_host_state and room >= count * weights + all_state:  # everything resident, no ring
+    wanted = range(count, -1, -1) if resident_layers is None else [min(resident_layers, count)]
+    if no_host_state and room >= count * weights + all_state and resident_layers in (None, count) \
+            and state_budget is None:  # everything resident, no ring
         kept, plan.gpu, plan.resident_layers = count, dict(base), count
     else:
-        kept = next((k for k in range(count, -1, -1)
-                     if k * weights + min(plan.window, count - k) * weights + ring <= room), None)
+        kept = next((k for k in wanted if k * weights + min(plan.window, count - k) * weights + ring <= room), None)
         if kept is None:
             return False
         plan.gpu, plan.resident_layers = dict(base), kept
         plan.gpu["staging ring + staged state"] = ring
         room -= ring
     streamed = count - kept
+    if streamed and release_bucket_bytes > weights:  # stream_weights lowers the release batch to a layer's
+        key = "release bucket (bf16 gradients)"
+        lowered = fixed_parts(root, layers, g, 0, 0, weights)[key]
+        room += plan.gpu[key] - lowered
+        plan.gpu[key] = lowered
+    if state_budget is not None:
+        room = min(room, state_budget + (kept + min(plan.window, streamed)) * weights)
     plan.gpu["resident layers' weights"] = kept * weights
     plan.gpu["window of streamed layers"] = min(plan.window, streamed) * weights
     room -= (kept + min(plan.window, streamed)) * weights
@@ -258,7 +272,8 @@ def stream_plan(shapes: NamedShapes, config: dict, gpu_memory: int, batch: int =
                 tflops: float = DEFAULT_TFLOPS, one_way: float = PCIE_ONE_WAY, duplex: float = PCIE_DUPLEX,
                 host_activations_cap: int = HOST_ACTIVATIONS_CAP, margin: float = BUDGET_MARGIN,
                 staging_bytes: int = STAGING_BYTES, release_bucket_bytes: int = RELEASE_BUCKET_BYTES,
-                source: str = "") -> StreamPlan:
+                source: str = "", resident_layers: Optional[int] = None,
+                state_budget: Optional[int] = None) -> StreamPlan:
     """The weight-streaming plan per GPU (module doc); ValueError naming the option if bad or nothing fits."""
     check_stream_args(gpu_memory, window, gpus, tflops, one_way, duplex, preset)
     root, layers = units(shapes, preset)
@@ -276,7 +291,8 @@ def stream_plan(shapes: NamedShapes, config: dict, gpu_memory: int, batch: int =
         p = StreamPlan(source, preset, gpu_memory, gpus, batch, seq, n, len(layers), window, 0, on_host,
                        host={"checkpoints": checkpoints} if on_host else {}, tflops=tflops, one_way=one_way,
                        duplex=duplex)
-        if fill(p, root, layers, {**base, **({} if on_host else {"layer checkpoints": checkpoints})}, ring):
+        if fill(p, root, layers, {**base, **({} if on_host else {"layer checkpoints": checkpoints})}, ring,
+                resident_layers, state_budget, release_bucket_bytes):
             options.append(p)
     if not options:
         window_bytes = min(window, len(layers)) * shard(max(u.params for u in layers), gpus) * BF16
@@ -338,7 +354,7 @@ def stream_hints(p: StreamPlan) -> List[str]:
            f"{p.tokens_to_hide():,} tokens per GPU per step hide the copies",
            f"- forward alone (2 of the 8 x params FLOPs) must hide its own copies (the streamed weights in once, host "
            f"checkpoints out): {p.tokens_to_hide_forward():,} tokens per GPU per step",
-           "- planner estimates, not measurements: weight streaming is not built yet"]
+           "- planner estimates, not measurements (what was measured: BENCHMARKS.md, weight streaming)"]
     if p.streamed_layers and p.tokens < p.tokens_to_hide():
         out.append(f"- hint: a micro-batch toward {p.tokens_to_hide():,} tokens, more GPU memory or more GPUs (--gpus) "
                    "stream less per token (gradient accumulation streams the weights again every micro-batch)")
@@ -360,8 +376,13 @@ def add_arguments(parser) -> None:
                    help="pinned host<->GPU GB/s one way (default: %(default)s, one H200)")
     g.add_argument("--stream-duplex-gbps", type=float, default=PCIE_DUPLEX / 1e9,
                    help="GB/s each way with both directions copying (default: %(default)s, one H200)")
-    g.add_argument("--host-activations", default="32GiB",
-                   help="pinned host memory the layer checkpoints may take, 0: none (default: %(default)s)")
+    g.add_argument("--host-activations", default="0",
+                   help="pinned host memory the layer checkpoints may take (default 0: stream_weights keeps them "
+                        "on the GPU; more plans an offload that is not built)")
+    g.add_argument("--resident-layers", type=int, default=None,
+                   help="decoder layers kept on the GPU (default: as many as fit)")
+    g.add_argument("--state-budget", default=None,
+                   help="optimizer state kept on the GPU, as wrap(gpu_budget=...) (default: as much as fits)")
 
 
 def stream_from_args(args) -> Optional[StreamPlan]:
@@ -382,4 +403,6 @@ def stream_from_args(args) -> Optional[StreamPlan]:
     return stream_plan(config_shapes(config), config, parse_bytes(args.gpu_memory, "--gpu-memory"), batch, seq,
                        args.stream_preset, args.window, args.gpus, args.stream_tflops, args.stream_gbps * 1e9,
                        args.stream_duplex_gbps * 1e9, parse_bytes(args.host_activations, "--host-activations", True),
-                       source=source)
+                       source=source, resident_layers=args.resident_layers,
+                       state_budget=None if args.state_budget is None else parse_bytes(args.state_budget,
+                                                                                       "--state-budget"))
