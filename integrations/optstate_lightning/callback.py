@@ -12,7 +12,9 @@ class of ``lightning.pytorch`` or ``pytorch_lightning``. It:
   accumulation window, averaged over all ranks, so every rank switches at the same step;
 * logs ``VirtualOptimizer.log_metrics()`` through ``pl_module.log_dict`` after each step;
 * with ``release_gradients=True``, hands ``gradient_clip_val`` to the optimizers (norm clipping)
-  and turns Lightning's own clipping off (value clipping is refused).
+  and turns Lightning's own clipping off (value clipping is refused);
+* with ``stream_weights=True`` (and release), streams the module's decoder layers' weights from host
+  memory (``optstate_core.stream_weights``; docs/weight-streaming.md) from the start of the fit.
 """
 from __future__ import annotations
 
@@ -36,8 +38,11 @@ class CallbackLogic:
     _mock_optimizer_cls: type = type(None)
 
     def __init__(self, policy: PolicySpec = None, *, log_metrics: bool = True, log_prefix: str = "optstate/",
-                 **wrap_options: Any):
+                 stream_weights: bool = False, **wrap_options: Any):
         super().__init__()
+        if not isinstance(stream_weights, bool):
+            raise ValueError(f"stream_weights must be True or False, got {stream_weights!r}")
+        self.stream_weights = stream_weights
         self.config = OptStateConfig(policy, log_metrics=log_metrics, log_prefix=log_prefix,
                                      wrap_options=wrap_options)
         self._reset_runtime()
@@ -54,10 +59,11 @@ class CallbackLogic:
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._warned_no_loss = False
+        self.stream = None  # the WeightStream of this fit (stream_weights=True)
 
     def __getstate__(self):  # picklable for ddp_spawn: the runtime state belongs to one process's fit
         state = dict(self.__dict__)
-        for key in ("optimizers", "switch_steps", "_feeds_loss", "_ours", "_steps_seen", "_loss_sum"):
+        for key in ("optimizers", "switch_steps", "_feeds_loss", "_ours", "_steps_seen", "_loss_sum", "stream"):
             state.pop(key, None)
         return state
 
@@ -94,6 +100,10 @@ class CallbackLogic:
         self._steps_seen = [o.step_count for o in self.optimizers]
         self.switch_steps = [None] * len(self.optimizers)
         self._reset_window()
+        if self.stream_weights and self.stream is None:
+            if len(self.optimizers) != 1:
+                raise ValueError(f"stream_weights=True needs the module's one optimizer, got {len(self.optimizers)}")
+            self.stream = oc.stream_weights(pl_module, self.optimizers[0])
         return self.optimizers
 
     def _wrapped(self, opt, pl_module, previous: Dict[int, oc.VirtualOptimizer]):
