@@ -41,7 +41,7 @@ def test_gpu_bytes_fit_the_memory_given():
 
 
 def test_more_memory_keeps_more_layers_and_moves_fewer_bytes():
-    plans = [_plan(m) for m in range(1_240_000, 2_000_000, 10_000)]
+    plans = [_plan(m) for m in range(1_130_000, 2_000_000, 10_000)]
     assert plans[0].resident_layers < plans[-1].resident_layers == 4
     for small, large in zip(plans, plans[1:]):
         assert large.resident_layers >= small.resident_layers
@@ -72,7 +72,11 @@ def test_pcie_bytes_match_a_hand_count():
     checkpoints = batch * seq * layers * TINY["hidden_size"] * 2  # each layer's saved bf16 input
     working = checkpointed_activation_bytes(TINY, batch, seq, fused_loss=True) - checkpoints
     ring = min(state, (largest + Tuning.from_env().stage_ahead * 0) * state // n)  # staged ahead: the largest parameter's batch
-    base = root * 2 + largest * 2 + working + checkpoints  # root weights, one bf16 gradient, activations
+    largest_layer = max(math.prod(s) for name, s in shapes if ".layers." in name)
+    # root weights; a layer's largest bf16 gradient beside its recompute; the embeddings' or lm_head's
+    # larger one only beyond that (they come at the ends of backward); activations
+    beyond = max(0, (largest - largest_layer) * 2 - working)
+    base = root * 2 + largest_layer * 2 + beyond + working + checkpoints
     memory = base + ring + (1 + window) * layer * 2  # one resident layer and the window: no room for state
     p = plan_stream.stream_plan(shapes, TINY, memory, batch, seq, window=window, host_activations_cap=0, **BARE)
     assert (p.resident_layers, p.checkpoints_on_host, p.gpu["state on GPU"]) == (1, False, 0)
@@ -94,7 +98,7 @@ def test_pcie_bytes_match_a_hand_count():
 
 
 def test_times_and_tokens():
-    p = _plan(1_300_000)
+    p = _plan(1_150_000)
     assert p.streamed_layers > 0
     moved_in, moved_out = sum(p.pcie_in.values()), sum(p.pcie_out.values())
     both = min(moved_in, moved_out)
@@ -166,6 +170,6 @@ def test_a_run_as_set_up_resident_layers_and_state_budget_as_given():
     fixed = _plan(10**9, resident_layers=0, state_budget=0, release_bucket_bytes=2**30)
     assert greedy.resident_layers == 4 and fixed.resident_layers == 0 and fixed.gpu["state on GPU"] == 0
     layer = _layer_params(config_shapes(TINY)) * 2
-    largest = max(math.prod(s) for _, s in config_shapes(TINY)) * 2
-    assert fixed.gpu["release bucket (bf16 gradients)"] == layer + largest
+    largest_layer = max(math.prod(s) for name, s in config_shapes(TINY) if ".layers." in name) * 2
+    assert fixed.gpu["release bucket (bf16 gradients)"] == layer + largest_layer
     assert fixed.host["streamed weights (bf16)"] == 4 * layer

@@ -194,9 +194,15 @@ def fixed_parts(root: Unit, layers: List[Unit], gpus: int, working: int, margin:
     parts = {"embeddings + lm_head (resident)": shard(root.params, gpus) * BF16}
     if gpus > 1:  # the root gathered all step, the largest layer twice, the larger one's unsharded gradients
         parts["FSDP2 gathered weights and gradients"] = (root.params + 2 * layer + max(root.params, layer)) * BF16
+    # a layer's gradients (a batch of them) meet its recompute; the embeddings' and lm_head's come at
+    # the two ends of backward, when no layer is recomputed: they count only beyond that
+    largest_layer = max([u.largest for u in layers], default=largest)
     parts["release bucket (bf16 gradients)"] = min(shard(n, gpus) * BF16,
-                                                   release_bucket_bytes + shard(largest, gpus) * BF16)
+                                                   release_bucket_bytes + shard(largest_layer, gpus) * BF16)
     parts["recomputed layer + fused loss"] = working
+    beyond = (shard(largest, gpus) - shard(largest_layer, gpus)) * BF16 - working
+    if beyond > 0:
+        parts["embedding or lm_head gradient beyond a layer's"] = beyond
     parts["margin"] = margin
     return parts
 
