@@ -264,3 +264,51 @@ def test_a_streamed_run_resumes_from_its_checkpoint_bit_for_bit(preset):
     assert losses == expected[2:]
     for key, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("shard_size", [None, "20KB"], ids=["one-file", "sharded"])
+def test_a_checkpoint_directory_loads_one_layer_at_a_time_and_trains_as_the_whole_model(tmp_path, shard_size):
+    """apps.llama.load_streamed: a Hugging Face checkpoint directory (one file, or shards with their
+    index) loaded layer by layer into host memory holds exactly what from_pretrained loads, and a
+    streamed run from it equals the resident one."""
+    transformers = pytest.importorskip("transformers")
+    from optstate_core.apps.llama import enable_checkpointing, load_streamed
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, **({"max_shard_size": shard_size} if shard_size else {}))
+    whole = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    enable_checkpointing(whole)
+    streamed = load_streamed(str(tmp_path), "cpu", torch.float32)
+    assert all(p.untyped_storage().nbytes() == 0 for p in streamed.model.layers.parameters())
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (whole, streamed):
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "8bit", release_gradients=True)
+        if model is streamed:
+            stream = oc.stream_weights(model, opt)
+            assert stream.d2h_bytes == 0  # the host copies were made while loading
+            sd, whole_sd = model.state_dict(), whole_start
+            assert sd.keys() == whole_sd.keys() and all(torch.equal(sd[k], whole_sd[k]) for k in sd)
+        else:
+            whole_start = {k: v.clone() for k, v in model.state_dict().items()}
+        run = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0] == losses[1]
+
+
+def test_load_streamed_names_a_path_without_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from optstate_core.apps.llama import load_streamed
+
+    transformers.LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        load_streamed(str(tmp_path), "cpu")

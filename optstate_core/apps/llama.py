@@ -107,11 +107,72 @@ def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, c
                 local.fill_(1.0)
             if i is not None and last_of[i] == name:
                 offload_weights(model, [layers[i]])
-        for name, module in list(model.named_modules()):  # non-persistent buffers (rotary inv_freq) are recomputed
+    reset_rotary(model, config, device)
+    if checkpointing:
+        enable_checkpointing(model)
+    return model.train()
+
+
+def reset_rotary(model, config, device) -> None:
+    """Recompute the non-persistent buffers (rotary ``inv_freq``) of a model materialised from meta."""
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
             if type(module).__name__.endswith("RotaryEmbedding"):
                 parent_name, _, attr = name.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, attr, type(module)(config=config).to(device))
+
+
+def load_streamed(path: str, device, dtype: torch.dtype = torch.bfloat16, checkpointing: bool = True):
+    """A Hugging Face causal LM from a checkpoint directory (``config.json`` and ``*.safetensors``,
+    one file or sharded with its index) with its decoder layers in host memory for ``stream_weights``:
+    each layer is materialised on ``device``, filled from the files and moved home
+    (``offload_weights``) before the next, so the model is never whole on the device or the host;
+    the rest (embeddings, norm, lm_head) is loaded on ``device``."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..schedule.weight_stream import decoder_layers, offload_weights
+
+    config = AutoConfig.from_pretrained(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = {key: os.path.join(path, name) for key, name in json.load(f)["weight_map"].items()}
+    else:
+        single = os.path.join(path, "model.safetensors")
+        if not os.path.exists(single):
+            raise ValueError(f"load_streamed: path {path!r} has no model.safetensors(.index.json)")
+        with safe_open(single, "pt") as f:
+            files = {key: single for key in f.keys()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    layers = decoder_layers(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    names = {id(m): name for name, m in model.named_modules()}
+    handles = {}
+
+    def fill(module, recurse: bool) -> None:
+        module.to_empty(device=device, recurse=recurse)
+        prefix = names[id(module)] + "." if names[id(module)] else ""
+        for name, tensor in list(module.named_parameters(recurse=recurse)) + list(module.named_buffers(recurse=recurse)):
+            key = prefix + name
+            if key in files:
+                handle = handles.get(files[key]) or handles.setdefault(files[key], safe_open(files[key], "pt"))
+                with torch.no_grad():
+                    tensor.copy_(handle.get_tensor(key).to(tensor.dtype))
+
+    for module in model.modules():
+        if id(module) not in inside:
+            fill(module, recurse=False)
+    model.tie_weights()  # a tied lm_head has no entry of its own
+    for layer in layers:
+        fill(layer, recurse=True)
+        offload_weights(model, [layer])
+    reset_rotary(model, config, device)
     if checkpointing:
         enable_checkpointing(model)
     return model.train()
