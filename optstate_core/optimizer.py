@@ -296,7 +296,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         engine = self._engine
         owned = {id(p) for p, _ in engine.param_infos()}
         stream = weight_stream.start(model, engine.clip_release, engine.boundary, owned, layers, prefetch)
-        layer_bytes = min(sum(layer.nbytes) for layer in stream.layers)
+        layer_bytes = min(layer.bytes for layer in stream.layers)
         if self.options.release_bucket_bytes > layer_bytes:  # a layer goes home as soon as it is updated
             log.info("optstate: release_bucket_bytes %d -> %d (a streamed layer's gradients)",
                      self.options.release_bucket_bytes, layer_bytes)

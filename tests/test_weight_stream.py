@@ -71,6 +71,18 @@ def train(model, opt, steps=3, accumulate=1):  # noqa: D103
     return losses
 
 
+def train_lm(model, opt, ids, steps):
+    """Steps of a Hugging Face causal LM on one batch (its own loss); the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def wrapped(model, preset, **kw):
     return oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), preset,
                    release_gradients=True, release_bucket_bytes=4096, **kw)
@@ -219,14 +231,7 @@ def test_a_llama_built_one_layer_at_a_time_trains_as_the_one_built_whole():
         opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "8bit", release_gradients=True)
         if model is streamed:
             oc.stream_weights(model, opt)
-        run = []
-        for _ in range(3):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses.append(run)
+        losses.append(train_lm(model, opt, ids, steps=3))
     assert losses[0] == losses[1]
     whole_sd, streamed_sd = whole.state_dict(), streamed.state_dict()
     assert all(torch.equal(whole_sd[k], streamed_sd[k]) for k in whole_sd)
@@ -293,14 +298,7 @@ def test_a_checkpoint_directory_loads_one_layer_at_a_time_and_trains_as_the_whol
             assert sd.keys() == whole_sd.keys() and all(torch.equal(sd[k], whole_sd[k]) for k in sd)
         else:
             whole_start = {k: v.clone() for k, v in model.state_dict().items()}
-        run = []
-        for _ in range(2):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses.append(run)
+        losses.append(train_lm(model, opt, ids, steps=2))
     assert losses[0] == losses[1]
 
 

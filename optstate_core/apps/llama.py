@@ -83,10 +83,8 @@ def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, c
             seed = seed * 1_000_003 + torch.distributed.get_rank()
     layers = list(model.model.layers) if stream else []
     if stream:  # all but the streamed layers now; those one at a time below
-        inside = {id(m) for layer in layers for m in layer.modules()}
-        for module in model.modules():
-            if id(module) not in inside:
-                module.to_empty(device=device, recurse=False)
+        for module in outside(model, layers):
+            module.to_empty(device=device, recurse=False)
     else:
         model = model.to_empty(device=device)
     names = [name for name, _ in model.named_parameters()]  # (to_empty swaps a meta parameter for a new one)
@@ -111,6 +109,12 @@ def build_model(shape: LlamaShape, device, dtype: torch.dtype = torch.float32, c
     if checkpointing:
         enable_checkpointing(model)
     return model.train()
+
+
+def outside(model, layers) -> list:
+    """The modules of ``model`` that are not (inside) one of ``layers``."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
 
 
 def reset_rotary(model, config, device) -> None:
@@ -151,7 +155,6 @@ def load_streamed(path: str, device, dtype: torch.dtype = torch.bfloat16, checkp
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     layers = decoder_layers(model)
-    inside = {id(m) for layer in layers for m in layer.modules()}
     names = {id(m): name for name, m in model.named_modules()}
     handles = {}
 
@@ -165,9 +168,8 @@ def load_streamed(path: str, device, dtype: torch.dtype = torch.bfloat16, checkp
                 with torch.no_grad():
                     tensor.copy_(handle.get_tensor(key).to(tensor.dtype))
 
-    for module in model.modules():
-        if id(module) not in inside:
-            fill(module, recurse=False)
+    for module in outside(model, layers):
+        fill(module, recurse=False)
     model.tie_weights()  # a tied lm_head has no entry of its own
     for layer in layers:
         fill(layer, recurse=True)

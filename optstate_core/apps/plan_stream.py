@@ -58,6 +58,7 @@ HOST_ACTIVATIONS_CAP = 0  # pinned host memory the layer checkpoints may take (n
 #: (2.0 GiB measured without an optimizer), CUDA's host allocations and the slabs' slack
 HOST_OVERHEAD = int(4.7 * 2**30)
 BF16 = 2
+RELEASE_PART = "release bucket (bf16 gradients)"
 LAYER_NAME = re.compile(r"^(.*?\.(?:layers|h)\.\d+)\.")
 
 
@@ -188,7 +189,6 @@ def shard(n: int, gpus: int) -> int:
 def fixed_parts(root: Unit, layers: List[Unit], gpus: int, working: int, margin: int,
                 release_bucket_bytes: int) -> Dict[str, int]:
     """The GPU parts that do not depend on the resident layers: root weights, FSDP2 buffers, gradients, working set."""
-    n = root.params + sum(u.params for u in layers)
     largest = max([root.largest] + [u.largest for u in layers])
     layer = max((u.params for u in layers), default=0)
     parts = {"embeddings + lm_head (resident)": shard(root.params, gpus) * BF16}
@@ -197,14 +197,20 @@ def fixed_parts(root: Unit, layers: List[Unit], gpus: int, working: int, margin:
     # a layer's gradients (a batch of them) meet its recompute; the embeddings' and lm_head's come at
     # the two ends of backward, when no layer is recomputed: they count only beyond that
     largest_layer = max([u.largest for u in layers], default=largest)
-    parts["release bucket (bf16 gradients)"] = min(shard(n, gpus) * BF16,
-                                                   release_bucket_bytes + shard(largest_layer, gpus) * BF16)
+    parts[RELEASE_PART] = release_part(root, layers, gpus, release_bucket_bytes)
     parts["recomputed layer + fused loss"] = working
     beyond = (shard(largest, gpus) - shard(largest_layer, gpus)) * BF16 - working
     if beyond > 0:
         parts["embedding or lm_head gradient beyond a layer's"] = beyond
     parts["margin"] = margin
     return parts
+
+
+def release_part(root: Unit, layers: List[Unit], gpus: int, release_bucket_bytes: int) -> int:
+    """A batch of released bf16 gradients: ``release_bucket_bytes`` pending plus the layers' largest."""
+    n = root.params + sum(u.params for u in layers)
+    largest_layer = max([u.largest for u in layers], default=root.largest)
+    return min(shard(n, gpus) * BF16, release_bucket_bytes + shard(largest_layer, gpus) * BF16)
 
 
 def staged_ahead(root: Unit, layers: List[Unit], gpus: int, release_bucket_bytes: int) -> int:
@@ -240,10 +246,9 @@ def fill(plan: StreamPlan, root: Unit, layers: List[Unit], base: Dict[str, int],
         room -= ring
     streamed = count - kept
     if streamed and release_bucket_bytes > weights:  # stream_weights lowers the release batch to a layer's
-        key = "release bucket (bf16 gradients)"
-        lowered = fixed_parts(root, layers, g, 0, 0, weights)[key]
-        room += plan.gpu[key] - lowered
-        plan.gpu[key] = lowered
+        lowered = release_part(root, layers, g, weights)
+        room += plan.gpu[RELEASE_PART] - lowered
+        plan.gpu[RELEASE_PART] = lowered
     if state_budget is not None:
         room = min(room, state_budget + (kept + min(plan.window, streamed)) * weights)
     plan.gpu["resident layers' weights"] = kept * weights

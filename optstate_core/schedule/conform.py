@@ -50,7 +50,7 @@ class Conformer:
                 if not matches(value, codec, host, w.param.device):
                     wanted.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key))
         for (codec, host, device, dtype), items in wanted.items():
-            pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
+            pin = engine.ctx.pins(device)
             values = allocate_many(codec, [w.param.shape for w, _ in items], dtype, device, host, pin,
                                    engine.pinned)
             for (w, key), value in zip(items, values):
@@ -63,7 +63,7 @@ class Conformer:
         current = w.state.get(key)
         if current is not None and matches(current, codec, host, w.param.device):
             return current
-        pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
+        pin = engine.ctx.pins(w.param.device)
         dest = allocate(codec, w.param.shape, value.dtype, w.param.device, host, pin, engine.pinned)
         return as_stored(w.key, dest)
 
@@ -101,7 +101,7 @@ class Conformer:
                 moves.setdefault((codec, host, w.param.device, value.dtype), []).append((w, key, value, shape))
         streams = set()
         for (codec, host, device, dtype), items in moves.items():
-            pin = engine.pin_memory if engine.pin_memory is not None else device.type == "cuda"
+            pin = engine.ctx.pins(device)
             shapes = [shape for *_, shape in items]
             if host and engine.parked:
                 dsts = engine.park_buffers.destinations([(w.info.index, key) for w, key, *_ in items], codec, shapes,

@@ -88,7 +88,7 @@ def follow_params(engine) -> None:
     engine.sync_transfers()
     for p, info, (dtype, device) in changed:
         st = engine.state[p]
-        pin = engine.pin_memory if engine.pin_memory is not None else p.device.type == "cuda"
+        pin = engine.ctx.pins(p.device)
         for key, value in list(st.items()):
             if not is_scalar_state(value):
                 st[key] = _moved(value, p, pin)

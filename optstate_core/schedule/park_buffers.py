@@ -64,7 +64,7 @@ class ParkBuffers:
                 if not st:
                     continue
                 w = Work(p, info, st)
-                pin = engine.pin_memory if engine.pin_memory is not None else w.param.device.type == "cuda"
+                pin = engine.ctx.pins(w.param.device)
                 for key, value, codec, host, shape in same_codec_moves(engine, w):
                     if host and not _fits(self.slots.get((info.index, key)), codec, shape, value.dtype):
                         out.append(((info.index, key), codec, shape, value.dtype, w.param.device, pin))

@@ -50,7 +50,7 @@ def first_step_requests(engine) -> List[int]:
         placement.resident = saved
     requests = []
     for w, plan in reversed(plans):
-        if plan is None or not plan.first or not engine.ctx.pins(w.param):
+        if plan is None or not plan.first or not engine.ctx.pins(w.param.device):
             continue
         for _, codec, dtype, on_host in first_step_states(plan, w.param.dtype):
             if on_host:

@@ -110,6 +110,7 @@ class _Layer:
         self.host = [h if h is not None else torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
                      for p, h in zip(self.params, offloaded)]
         self.nbytes = [p.numel() * p.element_size() for p in self.params]
+        self.bytes = sum(self.nbytes)  # the layer's weights, as they cross PCIe
         self.resident = True
         self.keep = False  # autograd reads these weights (a forward with gradients): kept until updated
         self.waiting: set = set()  # ids of parameters whose update (or accumulation) this backward awaits
@@ -204,7 +205,7 @@ class WeightStream:
     def _bring(self, layer: _Layer) -> None:
         if not layer.resident:
             layer.load(self.copy_stream)
-            self.h2d_bytes += sum(layer.nbytes)
+            self.h2d_bytes += layer.bytes
 
     def _before_forward(self, module, args) -> None:
         """This layer, and the ``prefetch`` layers after it (before it in a recompute: backward runs
@@ -248,7 +249,7 @@ class WeightStream:
             return
         if write:
             layer.write_back(self.home_stream)
-            self.d2h_bytes += sum(layer.nbytes)
+            self.d2h_bytes += layer.bytes
         if layer.index > self.prefetch:  # the first layers wait on the device for the next forward
             layer.free()
         else:
@@ -286,11 +287,11 @@ class WeightStream:
 
     def host_bytes(self) -> int:
         """Bytes of the host copies."""
-        return sum(sum(layer.nbytes) for layer in self.layers)
+        return sum(layer.bytes for layer in self.layers)
 
     def device_bytes(self) -> int:
         """Bytes of streamed weights on the device now."""
-        return sum(sum(layer.nbytes) for layer in self.layers if layer.resident)
+        return sum(layer.bytes for layer in self.layers if layer.resident)
 
     def close(self) -> None:
         """Bring every layer back to the device for good and remove the hooks."""

@@ -50,10 +50,10 @@ class StepContext:
             name = self.policy.name_of(p)
         return name
 
-    def pins(self, param: torch.Tensor) -> bool:
-        """Whether host-tier state of ``param`` is pinned (``pin_memory``; by default on CUDA)."""
+    def pins(self, device: torch.device) -> bool:
+        """Whether host-tier state of a parameter on ``device`` is pinned (``pin_memory``; by default on CUDA)."""
         pin_memory = self.options.pin_memory
-        return pin_memory if pin_memory is not None else param.device.type == "cuda"
+        return pin_memory if pin_memory is not None else device.type == "cuda"
 
 
 class Residency(Protocol):

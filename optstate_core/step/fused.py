@@ -223,7 +223,7 @@ class FusedPath:
     def _allocate_missing(self, ws, plan) -> None:
         """First step: one allocation per state key for the whole bucket (pinned host memory
         for offloaded state)."""
-        pin = self.ctx.pins(ws[0].param)
+        pin = self.ctx.pins(ws[0].param.device)
         for key, codec, dtype, on_host in first_step_states(plan, ws[0].param.dtype):
             missing = [w for w in ws if w.state.get(key) is None]
             if not missing:
