@@ -22,6 +22,13 @@ class Block(nn.Module):
         self.down = nn.Linear(2 * WIDTH, WIDTH, bias=False)
 
     def forward(self, x):
+        if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+            # as transformers' GradientCheckpointingLayer from 5.2x on: the checkpoint inside forward,
+            # under the module's hooks (which then run once, outside it; the recompute runs none)
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+    def body(self, x):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
@@ -32,11 +39,13 @@ class TinyLM(nn.Module):
         self.layers = nn.ModuleList(Block() for _ in range(DEPTH))
         self.head = nn.Linear(WIDTH, VOCAB)
         self.checkpointing = checkpointing
+        for block in self.layers:
+            block.gradient_checkpointing = checkpointing == "inside"
 
     def forward(self, ids):
         x = self.embed(ids)
         for block in self.layers:
-            if self.checkpointing == "none":
+            if self.checkpointing in ("none", "inside"):
                 x = block(x)
             else:
                 x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
@@ -123,9 +132,31 @@ def same_run(preset, checkpointing="reentrant", dtype=torch.float32, accumulate=
     return model, opt, stream, ref
 
 
-@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant", "none"])
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant", "inside", "none"])
 def test_streamed_training_equals_resident_for_every_way_a_layer_is_visited(checkpointing):
     same_run("8bit", checkpointing)
+
+
+def test_a_training_forward_holds_a_window_of_layers_where_the_checkpoint_runs_inside_the_hooks():
+    """transformers >= 5.2x checkpoints a decoder layer's forward under its hooks: the recompute runs
+    no hook, so the layer comes back on its output's gradient; a training forward still frees each layer."""
+    from optstate_core.apps.llama import LlamaShape, build_model
+    model = build_model(LlamaShape(hidden=64, layers=6, ffn=128, heads=4, kv_heads=2, vocab=100), "cpu",
+                        torch.float32, checkpointing=True, seed=1)
+    ref = build_model(LlamaShape(hidden=64, layers=6, ffn=128, heads=4, kv_heads=2, vocab=100), "cpu",
+                      torch.float32, checkpointing=True, seed=1)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(2))
+    opt = wrapped(model, "8bit")
+    stream = oc.stream_weights(model, opt)
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda *a: seen.append(stream.device_bytes()))
+    assert train_lm(model, opt, ids, 3) == train_lm(ref, wrapped(ref, "8bit"), ids, 3)
+    layer_bytes = stream.host_bytes() // 6
+    assert len(seen) == 3 * 6  # one hook call per layer and forward: the recompute runs none
+    # the one running and the one prefetched (the two kept over each turn go after their forward)
+    assert max(seen) == 2 * layer_bytes
+    assert stream.h2d_bytes == 6 * layer_bytes + (2 * 3 - 1) * 4 * layer_bytes
 
 
 @pytest.mark.parametrize("preset", ["fp32", "4bit"])

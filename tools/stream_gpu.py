@@ -3,7 +3,7 @@ host memory, against the same run with the weights resident. One case per call.
 
 Usage (from a checkout, on a GPU)::
 
-    PYTHONPATH=.:integrations python tools/stream_gpu.py MODE CAP_GB MICRO_BATCH [SHAPE [STEPS [SEQ [RESIDENT [BUDGET]]]]]
+    PYTHONPATH=.:integrations python tools/stream_gpu.py MODE CAP_GB MICRO_BATCH [SHAPE [STEPS [SEQ [RESIDENT [BUDGET]]]]] [--offload-activations]
     python tools/stream_gpu.py resident 0 1 8b 6; python tools/stream_gpu.py streamed 12 1 8b 6
 
 MODE ``resident``: preset ``bf16w-4bit-lean`` (state on the GPU), weights resident; ``streamed``: preset
@@ -11,7 +11,8 @@ MODE ``resident``: preset ``bf16w-4bit-lean`` (state on the GPU), weights reside
 last RESIDENT (default 0), which stay on the device; with BUDGET (e.g. ``95GiB``) the state is
 ``bf16w-4bit-lean`` with ``gpu_budget=BUDGET`` instead (resident up to it, the rest in host memory). Both: bf16 weights, gradient
 release, non-reentrant activation checkpointing, the chunked loss, lr 1e-4, one batch of random
-tokens every step (the loss falls as the model learns it). CAP_GB (1e9 bytes; 0:
+tokens every step (the loss falls as the model learns it). ``--offload-activations``: the layer inputs
+that checkpointing keeps go to host memory between forward and recompute (``offload_activations``). CAP_GB (1e9 bytes; 0:
 none) applies from the start: a streamed model is built one layer at a time into host memory
 (``apps.llama.build_model(stream=True)``), so it never is on the GPU whole. Prints one JSON line: s/step
 (wall clock over steps 3..STEPS, the device synchronised at both ends), tokens/s, the peak
@@ -38,7 +39,7 @@ def rss_gib() -> float:
 
 
 def main(mode: str, cap_gb: float, micro_batch: int, shape: str = "8b", steps: int = 6, seq: int = 2048,
-         resident: int = 0, budget: str = "") -> dict:
+         resident: int = 0, budget: str = "", offload_activations: bool = False) -> dict:
     import optstate_core as oc
     from optstate_core.apps.chunked_loss import use_chunked_loss
     from optstate_core.apps.llama import NAMED_SHAPES, build_model
@@ -58,6 +59,7 @@ def main(mode: str, cap_gb: float, micro_batch: int, shape: str = "8b", steps: i
     if streamed and resident:  # the last RESIDENT layers come back to stay
         oc.stream_weights(model, opt, layers=layers[len(layers) - resident:]).close()
     stream = oc.stream_weights(model, opt, layers=layers[:len(layers) - resident]) if streamed else None
+    acts = oc.offload_activations(model) if offload_activations else None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, 32000, (micro_batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
@@ -79,17 +81,22 @@ def main(mode: str, cap_gb: float, micro_batch: int, shape: str = "8b", steps: i
         status = "OOM"
     step_s = (time.perf_counter() - t0) / (steps - 2) if status == "ok" else None
     report = opt.memory_report()
-    return {"case": [mode, cap_gb, micro_batch, shape, seq, resident], "status": status, "step_s": step_s and round(step_s, 3),
+    return {"case": [mode, cap_gb, micro_batch, shape, seq, resident] + (["offload-activations"] if acts else []),
+            "status": status, "step_s": step_s and round(step_s, 3),
             "tokens_per_s": step_s and round(micro_batch * seq / step_s), "losses": losses,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "rss_gib": rss_gib(),
             "build_s": round(built - started, 1), "state_device_gib": round(report["device_bytes"] / 2**30, 2),
             "state_host_gib": round(report["host_bytes"] / 2**30, 2),
             "streamed_host_gib": stream and round(stream.host_bytes() / 2**30, 2),
-            "h2d_gib": stream and round(stream.h2d_bytes / 2**30, 1), "d2h_gib": stream and round(stream.d2h_bytes / 2**30, 1)}
+            "h2d_gib": stream and round(stream.h2d_bytes / 2**30, 1), "d2h_gib": stream and round(stream.d2h_bytes / 2**30, 1),
+            "activations_pinned_gib": acts and round(acts.pooled_bytes() / 2**30, 2),
+            "activations_d2h_gib": acts and round(acts.d2h_bytes / 2**30, 1)}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4 or sys.argv[1] not in ("resident", "streamed"):
+    argv = [a for a in sys.argv if a != "--offload-activations"]
+    if len(argv) < 4 or argv[1] not in ("resident", "streamed"):
         sys.exit(__doc__)
-    rest = sys.argv[4:5] + [int(a) for a in sys.argv[5:8]] + sys.argv[8:9]
-    print(json.dumps(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), *rest)), flush=True)
+    rest = argv[4:5] + [int(a) for a in argv[5:8]] + argv[8:9]
+    print(json.dumps(main(argv[1], float(argv[2]), int(argv[3]), *rest,
+                          offload_activations="--offload-activations" in sys.argv)), flush=True)

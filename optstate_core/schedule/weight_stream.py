@@ -55,6 +55,21 @@ def under_checkpoint() -> bool:
     return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook")
 
 
+def checkpoints_itself(module: nn.Module) -> bool:
+    """Whether ``module``'s training forward checkpoints inside its own ``forward``, under its hooks
+    (transformers' ``GradientCheckpointingLayer`` from 5.2x on): its hooks then run outside the
+    checkpoint, once, and its recompute in backward runs no hook."""
+    return bool(getattr(module, "gradient_checkpointing", False)) and module.training and torch.is_grad_enabled()
+
+
+def first_grad_output(output) -> Optional[torch.Tensor]:
+    """The first tensor of a layer's output that autograd will send a gradient to, or None."""
+    for o in (output if isinstance(output, (tuple, list)) else (output,)):
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            return o
+    return None
+
+
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
     """The model's repeated blocks: the children of its largest ``nn.ModuleList`` (``model.layers``
     of a Hugging Face causal LM, ``h`` of GPT-2)."""
@@ -211,24 +226,44 @@ class WeightStream:
         """This layer, and the ``prefetch`` layers after it (before it in a recompute: backward runs
         the layers in reverse)."""
         i, backward = self._index_of[id(module)], in_backward()
-        ahead = self.layers[max(0, i - self.prefetch):i][::-1] if backward else self.layers[i + 1:i + 1 + self.prefetch]
+        if backward:  # a recompute
+            self._before_backward(i)
+            return
         layer = self.layers[i]
-        for each in [layer] + ahead:
+        for each in [layer] + self.layers[i + 1:i + 1 + self.prefetch]:
             self._bring(each)
         layer.ready()
-        saves = torch.is_grad_enabled() and not under_checkpoint()
+        saves = torch.is_grad_enabled() and not under_checkpoint() and not checkpoints_itself(module)
         turn = module.training and i >= len(self.layers) - 1 - self.prefetch
-        if backward or saves or turn:
-            # autograd reads these weights (a recompute, which may stop before the forward's end, or a
-            # forward that saves them), or a training forward's turn to backward is near: they stay
-            # until their update, or until their gradients are in
-            layer.keep = True
-            layer.waiting = {id(p) for p in layer.params if p.requires_grad}
+        if saves or turn:
+            # a forward that saves these weights for backward, or a training forward's turn to
+            # backward is near: they stay until their update, or until their gradients are in
+            self._stay(layer)
 
     def _after_forward(self, module, args, output) -> None:
-        layer = self.layers[self._index_of[id(module)]]
+        i = self._index_of[id(module)]
+        out = first_grad_output(output) if torch.is_grad_enabled() and not in_backward() else None
+        if out is not None:  # the layer's backward (and recompute) begins once this has its gradient
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+        if not self.layers[i].keep:
+            self.layers[i].free()
+
+    def _before_backward(self, i: int) -> None:
+        """Layer ``i``'s recompute or backward is next: it, and the ``prefetch`` layers before it
+        (backward runs the layers in reverse), come in and stay until updated. Reached from the
+        recompute's forward pre-hook, or from the gradient of the layer's output where the
+        recompute runs no hook (:func:`checkpoints_itself`); whichever comes first does it."""
+        layer = self.layers[i]
+        for each in [layer] + self.layers[max(0, i - self.prefetch):i][::-1]:
+            self._bring(each)
+        layer.ready()
         if not layer.keep:
-            layer.free()
+            self._stay(layer)
+
+    @staticmethod
+    def _stay(layer: _Layer) -> None:
+        layer.keep = True
+        layer.waiting = {id(p) for p in layer.params if p.requires_grad}
 
     def _gradient_ready(self, param) -> None:
         """On a backward that does not end in a step, a layer goes once its gradients are all in."""

@@ -1,0 +1,237 @@
+"""Activation offload: the layer inputs that activation checkpointing keeps live in host memory
+between a layer's forward and its recompute.
+
+Under activation checkpointing a training forward keeps one tensor per layer for backward: the
+layer's input (its hidden states), from which the recompute runs the layer again. At long
+sequences these add up (Llama-3-70B at 1 x 16k tokens: 80 x 256 MiB = 20 GiB), and under a memory
+cap they are what is left once the weights and the optimizer state stream
+(:mod:`.weight_stream`). :func:`optstate_core.offload_activations` (``model``; ``layers``, as for
+weight streaming, default the model's decoder layers) moves them:
+
+* **forward**: after a layer's checkpointed forward its input's bytes are copied to host memory
+  (pinned, from a pool reused every step) on a stream of their own and its device storage is freed
+  (``untyped_storage().resize_(0)``: the tensor autograd keeps is the same object, its storage
+  empty); the last ``prefetch + 1`` layers keep theirs, their recompute comes first;
+* **backward**: a layer's recompute (its forward pre-hook in backward) brings its input back if it
+  is not there yet and copies in the inputs of the ``prefetch`` layers before it, on a copy stream;
+  the compute stream waits for a copy only where it is about to read it.
+
+The bytes are copied through a tensor of their own over the same storage, so autograd's version
+counters do not move: the recompute and backward see the tensors they saved. A forward is
+offloaded only where the input is kept for a recompute: inside reentrant checkpointing (gradients
+off while the input requires them) or non-reentrant checkpointing. An input whose storage the
+layer's output shares is left alone. Code that keeps the layer inputs itself (``output_hidden_states``)
+reads empty storage until backward: do not combine the two.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .weight_stream import checkpoints_itself, decoder_layers, first_grad_output, in_backward, under_checkpoint
+
+log = logging.getLogger("optstate")
+
+
+def _raw(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes as a tensor of its own (writes through it move no version counter)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _hidden_states(args, kwargs) -> Optional[torch.Tensor]:
+    """A layer call's input: its first positional tensor, or ``hidden_states=``."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    x = kwargs.get("hidden_states")
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _kept_for_recompute(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether this forward of ``module`` runs inside activation checkpointing and keeps ``x`` for
+    the recompute (reentrant: gradients off while the input needs them; non-reentrant: its
+    saved-tensor hook; or the layer checkpoints its own forward)."""
+    if in_backward():
+        return False
+    if torch.is_grad_enabled():
+        return under_checkpoint() or checkpoints_itself(module)
+    return x.requires_grad
+
+
+class _Offloaded:
+    """One layer input in host memory: the tensor (weakly: autograd owns it), its storage's bytes
+    on the host, and the events that order the copies (CUDA)."""
+
+    def __init__(self, x: torch.Tensor, host: torch.Tensor):
+        self.tensor = weakref.ref(x)
+        self.host, self.nbytes = host, x.untyped_storage().nbytes()
+        self.resident = self.used = False  # used: handed back to its recompute
+        self.copied = None  # CUDA: the copy in is done (the compute stream waits for it)
+
+
+class ActivationStream:
+    """Moves the checkpointed inputs of ``layers`` to host memory after their forward and back
+    before their recompute (see the module doc)."""
+
+    def __init__(self, layers: Sequence[nn.Module], prefetch: int = 1):
+        self.layers, self.prefetch = list(layers), prefetch
+        self._index_of = {id(m): i for i, m in enumerate(self.layers)}
+        self._pending: Dict[int, List[_Offloaded]] = {}  # layer index -> its inputs out, latest last
+        self._pool: Dict[int, List[tuple]] = {}  # nbytes -> free (host buffer, event after its last read)
+        self._streams = None  # CUDA: (out, in)
+        self.d2h_bytes = self.h2d_bytes = 0
+        self._handles = []
+        for module in self.layers:
+            self._handles += [module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                              module.register_forward_hook(self._after_forward, with_kwargs=True)]
+
+    # -- forward: out ------------------------------------------------------------------------------
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        i = self._index_of[id(module)]
+        x = _hidden_states(args, kwargs)
+        if x is None or i >= len(self.layers) - 1 - self.prefetch or not _kept_for_recompute(module, x):
+            return
+        storage = x.untyped_storage()
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        if not storage.nbytes() or any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == storage.data_ptr()
+                                       for o in outs):
+            return  # nothing to move, or the output is a view of the input
+        entry = _Offloaded(x, self._host_buffer(storage))
+        with self._on("out") as stream:
+            _raw(entry.host).copy_(_raw(storage), non_blocking=stream is not None)
+            if stream is not None:
+                x.record_stream(stream)  # its memory is reused only after the copy out
+        storage.resize_(0)
+        self.d2h_bytes += entry.nbytes
+        self._pending.setdefault(i, []).append(entry)
+        out = first_grad_output(output)
+        if out is not None:  # where the recompute runs no hook, the output's gradient announces it
+            out.register_hook(lambda grad, i=i, entry=entry: self._before_backward(i, entry))
+
+    def _host_buffer(self, storage) -> torch.Tensor:
+        """A host buffer of the storage's size: one the pool has (once its last copy in is done), or new."""
+        free = self._pool.get(storage.nbytes())
+        if free:
+            host, event = free.pop()
+            if event is not None:
+                self._stream("out").wait_event(event)
+            return host
+        return torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+
+    # -- backward: in ------------------------------------------------------------------------------
+    def _before_forward(self, module, args, kwargs) -> None:
+        """In a recompute: this layer's input back (if not there yet), and the inputs of the
+        ``prefetch`` layers before it copied in ahead."""
+        if not in_backward():
+            return
+        i = self._index_of[id(module)]
+        x = _hidden_states(args, kwargs)
+        entries = self._pending.get(i, [])
+        mine = next((e for e in entries if x is not None and e.tensor() is not None
+                     and e.tensor().untyped_storage()._cdata == x.untyped_storage()._cdata), None)
+        self._before_backward(i, mine)
+
+    def _before_backward(self, i: int, mine: Optional[_Offloaded]) -> None:
+        """Layer ``i``'s recompute is next: its input ``mine`` back where the compute stream reads it,
+        and the inputs of the ``prefetch`` layers before it copied in ahead. Reached from the
+        recompute's forward pre-hook (``mine`` found by the storage the recompute's input shares) or
+        from the gradient of the layer's output; whichever comes first does it."""
+        entries = self._pending.get(i, [])
+        entries[:] = [e for e in entries if e is not mine and e.tensor() is not None]  # (and forwards without backward)
+        for j in range(i - 1, max(-1, i - 1 - self.prefetch), -1):
+            ahead = self._pending.get(j)
+            if ahead:
+                self._bring(ahead[-1])
+        x = mine.tensor() if mine is not None else None
+        if x is None or mine.used:
+            return
+        self._bring(mine)
+        if mine.copied is not None:
+            compute = torch.cuda.current_stream(x.device)
+            compute.wait_event(mine.copied)
+            x.record_stream(compute)  # autograd frees it on the compute stream
+        mine.used = True
+        self._recycle(mine)
+
+    def _bring(self, entry: _Offloaded) -> None:
+        x = entry.tensor()
+        if entry.resident or x is None:
+            return
+        storage = x.untyped_storage()
+        with self._on("in") as stream:
+            storage.resize_(entry.nbytes)
+            _raw(storage).copy_(_raw(entry.host), non_blocking=stream is not None)
+            if stream is not None:
+                entry.copied = torch.cuda.Event()
+                entry.copied.record(stream)
+        entry.resident = True
+        self.h2d_bytes += entry.nbytes
+
+    def _recycle(self, entry: _Offloaded) -> None:
+        """The entry's host buffer back to the pool, usable once its copy in is done."""
+        self._pool.setdefault(entry.nbytes, []).append((entry.host, entry.copied))
+
+    # -- streams -----------------------------------------------------------------------------------
+    def _stream(self, which: str):
+        if self._streams is None:
+            self._streams = {"out": torch.cuda.Stream(), "in": torch.cuda.Stream()}
+        return self._streams[which]
+
+    @contextlib.contextmanager
+    def _on(self, which: str):
+        """The copy's stream (CUDA: ``which``'s; a copy out after the compute queued so far), or None (CPU)."""
+        if not torch.cuda.is_available() or not self.layers or not _on_cuda(self.layers[0]):
+            yield None
+            return
+        stream = self._stream(which)
+        if which == "out":  # the input is written by the compute queued so far (a copy in needs no such wait)
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            yield stream
+
+    # -- outside the visits ------------------------------------------------------------------------
+    def host_bytes(self) -> int:
+        """Bytes of layer inputs in host memory now."""
+        return sum(e.nbytes for entries in self._pending.values() for e in entries
+                   if not e.resident and e.tensor() is not None)
+
+    def pooled_bytes(self) -> int:
+        """Bytes of the host buffers held (in use or pooled)."""
+        return self.host_bytes() + sum(n * len(free) for n, free in self._pool.items())
+
+    def close(self) -> None:
+        """Bring every input still out back and remove the hooks."""
+        for entries in self._pending.values():
+            for e in entries:
+                self._bring(e)
+        if self._streams is not None:
+            torch.cuda.synchronize()
+        self._pending.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _on_cuda(module: nn.Module) -> bool:
+    p = next(module.parameters(), None)
+    return p is not None and p.is_cuda
+
+
+def offload_activations(model: nn.Module, layers: Optional[Sequence[nn.Module]] = None,
+                        prefetch: int = 1) -> ActivationStream:
+    """Keep the inputs that activation checkpointing saves for ``model``'s decoder layers (or
+    ``layers``) in host memory between forward and recompute (see :mod:`.activation_stream`)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"offload_activations: prefetch must be an int >= 0 (layer inputs copied in ahead), got {prefetch!r}")
+    layers = decoder_layers(model) if layers is None else list(layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ValueError(f"offload_activations: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+    stream = ActivationStream(layers, prefetch)
+    log.info("optstate: offloading the checkpointed inputs of %d layers to host memory", len(layers))
+    return stream
