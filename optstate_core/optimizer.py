@@ -93,6 +93,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             update each parameter in its post-accumulate-grad hook and free its gradient at
             once; ``step()`` then only advances the step. One process or FSDP2, no
             GradScaler (unscaling happens in ``step()``); see :mod:`optstate_core.schedule.release`.
+            Default: on with ``stream_weights``, else off.
         release_bucket_bytes: released gradients wait until this many bytes of them are pending
             (and at the end of backward), then one launch updates them all (default 256MiB; 0:
             each parameter in its own hook). A byte count or a string ("64MB").
@@ -108,6 +109,9 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             the fused kernels' launch shapes. A field not given takes its ``OPTSTATE_*`` variable,
             read here (docs/environment.md), else its measured default; ``memory_report()["options"]``
             shows the values used. An unknown field raises a ``TypeError``, a bad value a ``ValueError``.
+        stream_weights: the model's decoder layers are to stream from host memory (turns gradient release
+            on; a preset name ending in ``-stream`` sets it): :meth:`stream_weights` (or an integration's
+            callback) starts it with the model, and an update before it starts raises, changing nothing.
 
     Older spellings still work, with a ``DeprecationWarning`` (:data:`optstate_core.options.ALIASES`):
     ``elementwise`` (``granularity``), ``prefetch_during_backward`` (``prefetch_budget``) and
@@ -154,6 +158,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
     # -- torch.optim.Optimizer API -------------------------------------------------------------
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One optimizer step; the closure (if any) runs once, with gradients enabled."""
+        self._engine.clip_release.check_streaming()  # stream_weights=True without a stream: nothing changed
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -289,7 +294,8 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         """Keep the weights of ``model``'s decoder layers (the children of its largest
         ``nn.ModuleList``, or ``layers``) in host memory, brought to the device for each layer's
         forward, recompute and backward and written back after its update in backward (needs
-        ``release_gradients=True``; bit for bit the same training; ``release_bucket_bytes`` is
+        ``release_gradients=True``, which the wrap option ``stream_weights=True`` turns on; bit for bit
+        the same training; one stream at a time, kept as :attr:`weight_stream`; ``release_bucket_bytes`` is
         lowered to the smallest layer's bytes, so each layer goes home once updated). ``prefetch``:
         layers copied in ahead of the one running. Returns the :class:`~optstate_core.schedule.weight_stream.WeightStream`
         (``close()`` ends it; ``gathered()`` holds every layer on the device for a block)."""
@@ -303,6 +309,11 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
             engine.clip_release.bucket_bytes = layer_bytes
             self._set_option(release_bucket_bytes=layer_bytes)
         return stream
+
+    @property
+    def weight_stream(self):
+        """The :class:`~.schedule.weight_stream.WeightStream` that :meth:`stream_weights` started (None before)."""
+        return self._engine.clip_release.stream
 
     def take_over_clipping(self, max_norm, *, norm_type: float = 2.0, source: str = "max_grad_norm",
                            check_only: bool = False) -> bool:

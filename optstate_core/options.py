@@ -50,11 +50,12 @@ class WrapOptions:
     offload: bool = False
     staging_bytes: int = 256 * 10**6  # "256MB"
     prefetch_budget: Union[int, str] = AUTO
-    release_gradients: bool = False
+    release_gradients: Optional[bool] = None  # resolved by build(): True with stream_weights, else False
     release_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     max_grad_norm: Optional[float] = None
     clip_mode: str = "auto"
     tuning: Optional[Tuning] = None  # resolved by build(): the given fields over Tuning.from_env()
+    stream_weights: bool = False  # the model's weights are to stream (VirtualOptimizer.stream_weights starts it)
 
     @classmethod
     def build(cls, optimizer: torch.optim.Optimizer, options: Optional["WrapOptions"] = None,
@@ -111,6 +112,15 @@ def _gpu_budget(value):
     return parse_bytes(value, "gpu_budget")
 
 
+def _release(release, stream: bool) -> bool:
+    """``release_gradients``: None is ``stream_weights`` (streamed layers update in backward); False with it raises."""
+    _check_bool("release_gradients", release, optional=True)
+    if stream and release is False:
+        raise ValueError("release_gradients=False contradicts stream_weights=True: streamed weights are updated in "
+                         "backward, by gradient release (leave release_gradients out, or set it True)")
+    return stream if release is None else release
+
+
 def _prefetch_budget(budget, during_backward, release: bool):
     """The prefetch budget from ``prefetch_budget`` and the older ``prefetch_during_backward``."""
     _check_bool("prefetch_during_backward", during_backward, optional=True)
@@ -146,8 +156,9 @@ def _validated(optimizer, kw: dict, aliases: dict) -> dict:
         out["fast_math"] = fast_math_default()
     out["tuning"] = Tuning.resolve(out["tuning"])
     for name in ("skip_nonfinite", "check_in_backward", "offload", "stochastic_param_rounding",
-                 "observe_closure_loss", "profile", "release_gradients"):
+                 "observe_closure_loss", "profile", "stream_weights"):
         out[name] = _check_bool(name, out[name])
+    out["release_gradients"] = _release(out["release_gradients"], out["stream_weights"])
     if isinstance(out["seed"], bool) or not isinstance(out["seed"], int):
         raise ValueError(f"seed must be an int, got {out['seed']!r}")
     out["gpu_budget"] = _gpu_budget(out["gpu_budget"])

@@ -2,7 +2,7 @@
 a preset's policy (``wrap(opt)`` and ``wrap(opt, "default")`` both use :func:`default_policy`)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from .state.codecs import Int4Codec, Minifloat8Codec
 from .policy import AdaptiveWarmupPolicy, WarmupPolicy
@@ -65,26 +65,64 @@ PRESET_ALIASES = {"int8": "8bit", "int4": "4bit", "none": "fp32"}
 
 #: the preset chosen per model and device by ``optstate plan``'s arithmetic, which the core cannot import
 AUTO = "auto"
+#: any preset name + this suffix ("bf16w-4bit-lean-stream"): that preset's policy, wrapped with the option
+#: ``stream_weights=True`` (the weights streamed from host memory; docs/weight-streaming.md)
+STREAM_SUFFIX = "-stream"
 
 
-def make_policy(preset: str = "default", *, adaptive: bool = False, **overrides) -> WarmupPolicy:
-    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden; with
-    ``adaptive=True`` an :class:`AdaptiveWarmupPolicy` (``patience`` and ``tol`` among the overrides)."""
+def split_stream(preset):
+    """``(the name without a -stream suffix, whether it had one)``: ``"8bit-stream"`` -> ``("8bit", True)``."""
+    if isinstance(preset, str) and preset.endswith(STREAM_SUFFIX) and len(preset) > len(STREAM_SUFFIX):
+        return preset[:-len(STREAM_SUFFIX)], True
+    return preset, False
+
+
+def _table_name(preset: str, typed: Optional[str] = None) -> str:
+    """The table's key for ``preset`` (aliases resolved); ValueError, naming what was ``typed``, for the rest."""
     if preset == AUTO:
         raise ValueError("preset 'auto' is planned per model and device: optstate_core.apps.auto.wrap(optimizer, "
                          "model) (the planner is an app, which the core does not import; docs/presets.md#auto)")
     name = PRESET_ALIASES.get(preset, preset)
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown preset {typed or preset!r}; valid presets: {', '.join(sorted(PRESETS))} "
+                         f"(each also with the suffix {STREAM_SUFFIX!r})")
+    return name
+
+
+def with_stream(preset: str, options: dict) -> Tuple[str, dict]:
+    """``(the base preset, options)`` for a preset name: a ``-stream`` one adds ``stream_weights=True``."""
+    base, stream = split_stream(preset)
+    if not stream:
+        return preset, options
+    if base != AUTO:
+        _table_name(base, typed=preset)
+    if options.get("stream_weights") is False:
+        raise ValueError(f"stream_weights=False contradicts preset {preset!r} (its {STREAM_SUFFIX!r} streams the "
+                         f"weights): name the preset {base!r}, or leave stream_weights out")
+    return base, {"stream_weights": True, **options}  # a bad value given is the options' to refuse
+
+
+def make_policy(preset: str = "default", *, adaptive: bool = False, **overrides) -> WarmupPolicy:
+    """A :class:`WarmupPolicy` from a preset name, with any of its arguments overridden; with
+    ``adaptive=True`` an :class:`AdaptiveWarmupPolicy` (``patience`` and ``tol`` among the overrides).
+    A ``-stream`` name raises: streaming is a wrap option (``wrap(optimizer, name)`` takes it)."""
+    base, stream = split_stream(preset)
+    if stream:
+        _table_name(base, typed=preset)
+        raise ValueError(f"preset {preset!r}: {STREAM_SUFFIX!r} streams the weights, which is a wrap option and "
+                         f"not part of a policy: wrap(optimizer, {preset!r}) or OptStateAdamW(preset={preset!r}), "
+                         f"or make_policy({base!r}) wrapped with stream_weights=True")
+    name = _table_name(preset)
     return (AdaptiveWarmupPolicy if adaptive else WarmupPolicy)(**{**PRESETS[name], **overrides})
 
 
 def has_master_weights(preset: Optional[str]) -> bool:
-    """Whether a preset keeps fp32 master weights for bf16 parameters (the ``bf16w-*`` presets:
-    cast the model with :func:`optstate_core.cast_model` first)."""
+    """Whether a preset keeps fp32 master weights for bf16 parameters (the ``bf16w-*`` presets, also
+    with ``-stream``: cast the model with :func:`optstate_core.cast_model` first)."""
     if preset is None:
         return False
-    return PRESETS[PRESET_ALIASES.get(preset, preset)].get("master_correction") is not None
+    base = split_stream(preset)[0]
+    return PRESETS[PRESET_ALIASES.get(base, base)].get("master_correction") is not None
 
 
 def default_policy() -> WarmupPolicy:

@@ -12,19 +12,21 @@ import torch
 from .optimizer import VirtualOptimizer
 from .options import WrapOptions
 from .policy import Policy
-from .preset_table import (AUTO, OPTIMIZER_CODECS, PRESET_ALIASES, PRESETS, default_policy,  # noqa: F401 (re-exported)
-                           has_master_weights, make_policy)
+from .preset_table import (AUTO, OPTIMIZER_CODECS, PRESET_ALIASES, PRESETS, STREAM_SUFFIX,  # noqa: F401 (re-exported)
+                           default_policy, has_master_weights, make_policy, split_stream, with_stream)
 from .torch_optstate_names import (auto_wrap, make_low_memory_policy, wrap_low_memory_adamw,  # noqa: F401 (re-exported)
                                    wrap_max_compression_adamw)
 
 
 def wrap(optimizer: torch.optim.Optimizer, policy: Union[Policy, str, None] = None,
          options: Optional[WrapOptions] = None, **option_values) -> VirtualOptimizer:
-    """Wrap any torch optimizer. ``policy``: a Policy, a preset name, or None (the default preset).
-    The options are :class:`VirtualOptimizer`'s, as keywords (chunk_bytes, gpu_budget,
-    release_gradients, ...) and/or one :class:`WrapOptions`."""
+    """Wrap any torch optimizer. ``policy``: a Policy, a preset name, or None (the default preset);
+    a preset name ending in ``-stream`` (``"bf16w-4bit-lean-stream"``) is that preset with
+    ``stream_weights=True``. The options are :class:`VirtualOptimizer`'s, as keywords (chunk_bytes,
+    gpu_budget, release_gradients, stream_weights, ...) and/or one :class:`WrapOptions`."""
     if isinstance(policy, str):
-        policy = make_policy(policy)
+        preset, option_values = with_stream(policy, option_values)
+        policy = make_policy(preset)
     return VirtualOptimizer(optimizer, policy, options, **option_values)
 
 
@@ -57,9 +59,9 @@ class OptStateAdamW(VirtualOptimizer):
     """``torch.optim.AdamW`` built from ``params`` and wrapped with a preset, in one class.
 
     For frameworks that instantiate an optimizer class as ``cls(params, **kwargs)`` (the HF
-    Trainer, Lightning CLI). ``preset`` is a name from :data:`PRESETS`, ``policy_options``
-    override the preset's :class:`WarmupPolicy` arguments, ``wrap_options`` go to
-    :class:`VirtualOptimizer`.
+    Trainer, Lightning CLI). ``preset`` is a name from :data:`PRESETS` (or one + ``-stream``: the
+    option ``stream_weights=True``), ``policy_options`` override the preset's :class:`WarmupPolicy`
+    arguments, ``wrap_options`` go to :class:`VirtualOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
@@ -67,8 +69,9 @@ class OptStateAdamW(VirtualOptimizer):
                  policy_options: Optional[dict] = None, wrap_options: Optional[dict] = None, **adamw_kwargs):
         inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                                   **adamw_kwargs)
+        preset, wrap_options = with_stream(preset, dict(wrap_options or {}))
         if policy is None:
             policy = make_policy(preset, **(policy_options or {}))
         elif policy_options:
             raise ValueError("policy_options can only be given with a preset, not with policy")
-        super().__init__(inner, policy, **(wrap_options or {}))
+        super().__init__(inner, policy, **wrap_options)

@@ -341,3 +341,89 @@ def test_load_streamed_names_a_path_without_weights(tmp_path):
                              num_attention_heads=2).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has no model.safetensors"):
         load_streamed(str(tmp_path), "cpu")
+
+
+def test_the_wrap_option_and_the_stream_suffix_equal_calling_stream_weights_bit_for_bit():
+    """``wrap(opt, preset, stream_weights=True)``, ``wrap(opt, "<preset>-stream")`` and
+    ``OptStateAdamW(preset="<preset>-stream")`` turn release on and, once ``opt.stream_weights(model)``
+    starts the stream, train as ``optstate_core.stream_weights`` on a release-wrapped optimizer does."""
+    ref = build()
+    ref_opt = wrapped(ref, "8bit")
+    oc.stream_weights(ref, ref_opt)
+    expected = train(ref, ref_opt)
+    makers = {
+        "option": lambda m: oc.wrap(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), "8bit",
+                                    stream_weights=True, release_bucket_bytes=4096),
+        "suffix": lambda m: oc.wrap(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), "8bit-stream",
+                                    release_bucket_bytes=4096),
+        "class": lambda m: oc.OptStateAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, preset="8bit-stream",
+                                            wrap_options={"release_bucket_bytes": 4096}),
+    }
+    for how, make in makers.items():
+        model = build()
+        opt = make(model)
+        assert opt.options.stream_weights and opt.release_gradients and opt.weight_stream is None, how
+        assert opt.policy.describe() == ref_opt.policy.describe(), how
+        stream = opt.stream_weights(model)
+        assert opt.weight_stream is stream, how
+        assert train(model, opt) == expected, how
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.layers[3].parameters()), how
+        for key, value in ref.state_dict().items():
+            assert torch.equal(model.state_dict()[key], value), (how, key)
+
+
+def test_a_step_before_the_stream_starts_raises_and_changes_nothing():
+    """stream_weights=True and no stream: the first released gradient (in backward) and step() raise
+    before any update, naming the calls that start it; once started, the run equals a streamed one."""
+    ref = build()
+    ref_opt = wrapped(ref, "8bit-stream")
+    ref_opt.stream_weights(ref)
+    expected = train(ref, ref_opt)
+    model = build()
+    opt = wrapped(model, "8bit-stream")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, target = data(0)
+    with pytest.raises(RuntimeError, match=r"opt\.stream_weights\(model\) or optstate_core\.stream_weights"):
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), target.flatten()).backward()
+    with pytest.raises(RuntimeError, match="no weight stream was started"):
+        opt.step()
+    assert opt.step_count == 0 and not opt.state and opt.weight_stream is None
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    opt.zero_grad()
+    oc.stream_weights(model, opt)
+    assert train(model, opt) == expected
+
+
+def test_stream_options_and_names_are_refused_by_name():
+    model = build()
+
+    def adamw():
+        return torch.optim.AdamW(model.parameters())
+
+    with pytest.raises(ValueError, match="stream_weights must be True or False, got 'yes'"):
+        oc.wrap(adamw(), "8bit", stream_weights="yes")
+    for preset, kw in (("8bit", {"stream_weights": True}), ("8bit-stream", {})):
+        with pytest.raises(ValueError, match="release_gradients=False contradicts stream_weights=True"):
+            oc.wrap(adamw(), preset, release_gradients=False, **kw)
+    with pytest.raises(ValueError, match="stream_weights=False contradicts preset '8bit-stream'"):
+        oc.wrap(adamw(), "8bit-stream", stream_weights=False)
+    with pytest.raises(ValueError, match="unknown preset 'int3-stream'"):
+        oc.wrap(adamw(), "int3-stream")
+    with pytest.raises(ValueError, match="unknown preset 'int3-stream'"):
+        oc.OptStateAdamW(model.parameters(), preset="int3-stream")
+    # a policy cannot carry streaming: make_policy says where the suffix goes instead of dropping it
+    with pytest.raises(ValueError, match=r"wrap option.*wrap\(optimizer, 'bf16w-4bit-lean-stream'\)"):
+        oc.make_policy("bf16w-4bit-lean-stream")
+    assert oc.presets.has_master_weights("bf16w-4bit-lean-stream") and not oc.presets.has_master_weights("int8-stream")
+    assert oc.wrap(adamw(), "int8-stream").options.stream_weights  # aliases take the suffix too
+    assert not oc.wrap(adamw(), "8bit", release_gradients=True).options.stream_weights
+    assert not oc.wrap(adamw(), "8bit").options.release_gradients
+    from optstate_core.apps import auto  # the planner plans with release when the weights are to stream
+    assert auto.wrap(adamw(), model, stream_weights=True).release_gradients
+    assert not auto.wrap(adamw(), model).release_gradients  # (the CPU: no cap, no release)
+    opt = oc.wrap(adamw(), "8bit-stream")
+    stream = opt.stream_weights(model)
+    with pytest.raises(RuntimeError, match="streams its model's weights already"):
+        opt.stream_weights(model)
+    stream.close()
+    assert opt.stream_weights(model) is opt.weight_stream is not stream  # a closed stream can be started again

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Union
 
 import optstate_core as oc
+from optstate_core.presets import split_stream
 
 OFFLOAD = ("none", "host")
 _TRUE = ("true", "1", "yes", "on")
@@ -105,7 +106,7 @@ def _size(text) -> Union[int, str]:
 class Key:
     parse: Callable
     help: str
-    target: str  # "policy", "wrap", "adaptive", "auto" (optstate_adamw_auto's plan) or "callback" (OptStateCallback)
+    target: str  # "policy", "wrap", "adaptive" or "auto" (optstate_adamw_auto's plan)
 
 
 #: Every accepted ``optim_args`` key: parser, meaning, and where it goes.
@@ -136,7 +137,8 @@ KEYS: Dict[str, Key] = {
     "release_bucket_bytes": Key(_size_or_zero, "with release_gradients: gradient bytes pending before one batched "
                                                "update (default 256MiB; 0: each parameter in its own hook)", "wrap"),
     "stream_weights": Key(_bool, "keep the decoder layers' weights in host memory and stream them through the GPU "
-                                 "(needs release_gradients=true; docs/weight-streaming.md)", "callback"),
+                                 "from the start of training (turns release_gradients on, as a _stream optim name "
+                                 "does; docs/weight-streaming.md)", "wrap"),
     "seq_len": Key(_int(1), "auto: tokens per sequence to plan for (default: the trainer's max_length, else the "
                             "model's max_position_embeddings)", "auto"),
     "gpu_memory": Key(_size, "auto: GPU bytes to plan for (default: the device's free memory plus this process's "
@@ -197,7 +199,9 @@ class OptimArgs:
 
     # -- what the optimizer is built from ----------------------------------------------------
     def policy(self, preset: str = "default") -> oc.WarmupPolicy:
-        """The preset's policy with these overrides (``oc.make_policy``; AdaptiveWarmupPolicy if ``adaptive``)."""
+        """The preset's policy with these overrides (``oc.make_policy``; AdaptiveWarmupPolicy if ``adaptive``);
+        a ``-stream`` suffix is the wrap option's (:meth:`wrap_options` and ``with_stream``), not the policy's."""
+        preset = split_stream(preset)[0]
         if preset not in oc.PRESETS:
             raise ValueError(f"preset must be one of {', '.join(sorted(oc.PRESETS))}, got {preset!r}")
         planned = [k for k in self._values if KEYS[k].target == "auto"]

@@ -20,7 +20,8 @@ def resolve(args, model, options: OptimArgs, family: str) -> Tuple[str, OptimArg
     the trainer's ``max_length`` (TRL), else the model config's ``max_position_embeddings``; the fused
     loss with ``use_liger_kernel`` or a model with the chunked loss. Gradients are released on a
     capped device unless ``optim_args`` say otherwise, the Trainer accumulates gradients (they stay
-    until the window's last micro-batch) or uses fp16's GradScaler. Logs one line."""
+    until the window's last micro-batch) or uses fp16's GradScaler, and always with ``stream_weights``.
+    Logs one line."""
     if family != "adamw":
         raise ValueError(f"optim: the auto preset exists for AdamW only (optstate_adamw_auto), not {family}")
     if model is None:
@@ -32,7 +33,10 @@ def resolve(args, model, options: OptimArgs, family: str) -> Tuple[str, OptimArg
         raise _error(f"{', '.join(clash)}: chosen by optim='optstate_adamw_auto' (compressed state from the first "
                      "step, where the plan puts it); leave it out or name a preset")
     release, context = options.get("release_gradients"), []
-    if release is None and args.gradient_accumulation_steps > 1:
+    if release is None and options.get("stream_weights"):
+        release = True  # streamed weights are updated in backward
+        context.append("release: stream_weights")
+    elif release is None and args.gradient_accumulation_steps > 1:
         release = False
         context.append(f"no release: gradient_accumulation_steps={args.gradient_accumulation_steps} keeps gradients")
     elif release is None and getattr(args, "fp16", False):

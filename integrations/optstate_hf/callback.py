@@ -64,15 +64,16 @@ class OptStateCallback(TrainerCallback):
       ``report_to`` integrations like any metric. To get there first it moves itself to the
       front of the Trainer's callback list.
 
-    - Weight streaming (``stream_weights=True``, or ``optim_args="stream_weights=true,release_gradients=true"``):
-      at the start of training the model's decoder layers go to host memory and stream through the
-      GPU (``optstate_core.stream_weights``; docs/weight-streaming.md).
+    - Weight streaming (an optimizer wrapped with ``stream_weights=True``: ``optim="optstate_adamw_..._stream"``,
+      ``optim_args="stream_weights=true"`` or a ``-stream`` preset; or ``stream_weights=True`` here): at the
+      start of training the model's decoder layers go to host memory and stream through the GPU
+      (``optstate_core.stream_weights``; docs/weight-streaming.md).
 
     Args:
         log_metrics: add the optimizer metrics to the logs.
         prefix: prefix of the metric names.
         feed_loss: feed logged losses to the policy (only policies that want them).
-        stream_weights: stream the weights (None: as ``optim_args`` says).
+        stream_weights: stream the weights (None: as the optimizer's option ``stream_weights`` says).
     """
 
     def __init__(self, log_metrics: bool = True, prefix: str = "optstate/", feed_loss: bool = True,
@@ -103,20 +104,21 @@ class OptStateCallback(TrainerCallback):
         gradient_state = getattr(optimizer, "gradient_state", None)
         if gradient_state is not None:
             opt.bind_step_boundary(lambda: gradient_state.sync_gradients)
-        if self.stream is None and self._wants_stream(args):
-            self.stream = oc.stream_weights(kwargs["model"], opt)
+        if self.stream is None and self._wants_stream(opt):
+            current = opt.weight_stream  # started by the user already, or by an earlier train()
+            self.stream = current if current is not None and not current.closed else \
+                oc.stream_weights(kwargs["model"], opt)
         if self.log_metrics and not _run_first(self):
             log.warning("OptStateCallback could not run ahead of the other callbacks: optimizer metrics reach "
                         "trainer.state.log_history but not report_to integrations")
 
-    def _wants_stream(self, args) -> bool:
-        if self.stream_weights is not None:
-            return self.stream_weights
-        optim = getattr(args.optim, "value", args.optim)
-        if not str(optim).startswith("optstate_") or not args.optim_args:
-            return False
-        from .args import parse_optim_args
-        return bool(parse_optim_args(args.optim_args).get("stream_weights"))
+    def _wants_stream(self, opt: oc.VirtualOptimizer) -> bool:
+        """Whether to stream: as this callback says, else as the optimizer was wrapped (``stream_weights``)."""
+        if self.stream_weights is False and opt.options.stream_weights:
+            raise ValueError("OptStateCallback(stream_weights=False), but the optimizer was wrapped with "
+                             "stream_weights=True (a _stream optim name, a -stream preset or optim_args "
+                             "stream_weights=true) and cannot step unstreamed; drop one of them")
+        return bool(self.stream_weights or opt.options.stream_weights)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         opt = self.optimizer

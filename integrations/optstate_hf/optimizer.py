@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import optstate_core as oc
+from optstate_core.presets import with_stream
 
 from .args import OptimArgs, parse_optim_args
 
@@ -14,7 +15,8 @@ log = logging.getLogger("optstate.hf")
 class OptStateAdamW(oc.OptStateAdamW):
     """AdamW with virtualized state, built as ``cls(param_groups, **kwargs)`` by the Trainer.
 
-    ``preset`` names an entry of ``optstate_core.PRESETS``; ``optim_args`` (a ``"k=v,..."``
+    ``preset`` names an entry of ``optstate_core.PRESETS``, or one + ``-stream`` (the wrap option
+    ``stream_weights=True``, which the callback starts); ``optim_args`` (a ``"k=v,..."``
     string, a mapping or an :class:`OptimArgs`) overrides it (see ``optstate_hf.args.KEYS``).
     Each instance builds its own policy, so one kwargs dict can build several optimizers.
     The Trainer's parameter groups (weight decay / no decay) are kept as given.
@@ -40,7 +42,7 @@ def _bind_release_boundary(optimizer) -> None:
 def _policy_and_options(preset: str, optim_args, max_grad_norm):
     """``(policy, wrap options)`` of a VirtualOptimizer from a preset, ``optim_args`` and the clipping norm."""
     options: OptimArgs = parse_optim_args(optim_args)
-    wrap_options = options.wrap_options()
+    preset, wrap_options = with_stream(preset, options.wrap_options())  # a -stream preset: stream_weights=True
     if max_grad_norm is not None:
         wrap_options["max_grad_norm"] = max_grad_norm
     return options.policy(preset), wrap_options
@@ -88,13 +90,15 @@ def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None, fam
     ``warmup_steps`` too): what ``optim="optstate_adamw..."`` (``family="adamw"``), ``"optstate_lion..."``
     (``"lion"``) or ``"optstate_schedule_free_adamw..."`` (``"schedule_free_adamw"``) builds, for
     ``Trainer(optimizer_cls_and_kwargs=...)``. ``optim_args`` defaults to ``args.optim_args``; it is
-    validated here. ``preset="auto"`` plans for ``model`` now (:func:`optstate_hf.auto.resolve`)."""
+    validated here. ``preset="auto"`` plans for ``model`` now (:func:`optstate_hf.auto.resolve`); a preset
+    ending in ``-stream`` wraps with ``stream_weights=True`` (``optim="optstate_adamw_..._stream"``)."""
     if family not in CLASSES:
         raise ValueError(f"family must be one of {', '.join(CLASSES)}, got {family!r}")
     options = parse_optim_args(args.optim_args if optim_args is None else optim_args)
     if preset == "auto":
         from .auto import resolve
         preset, options = resolve(args, model, options, family)
+    _, wrap_options = with_stream(preset, options.wrap_options())  # -stream (and optim_args agree)
     options.policy(preset)  # validate the preset and the policy arguments now, not at first step
     kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "weight_decay": args.weight_decay,
               "preset": preset, "optim_args": options}
@@ -102,7 +106,7 @@ def optimizer_cls_and_kwargs(args, preset: str = "default", optim_args=None, fam
         kwargs["eps"] = args.adam_epsilon
     if family == "schedule_free_adamw":  # release_gradients is refused by the wrapper (stepped in one call)
         kwargs["warmup_steps"] = args.warmup_steps
-    if options.get("release_gradients"):
+    if wrap_options.get("release_gradients", wrap_options.get("stream_weights")):  # streaming releases too
         kwargs["max_grad_norm"] = route_max_grad_norm(args)
     return CLASSES[family], kwargs
 

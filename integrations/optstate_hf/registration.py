@@ -15,10 +15,12 @@ Three steps, the same on every supported transformers:
   accumulation boundaries and, under FSDP2, rebinds release to the sharded parameters).
 
 The names are generated from ``optstate_core.PRESETS`` (:func:`optstate_hf_names.optim_names`: one
-per preset and family, and ``optstate_adamw_auto``). The enum step lives in ``optstate_hf_names``
-(standard library only), which the ``.pth`` hook of an installed optstate runs when transformers is
-imported (with the table's preset names, which it cannot import), and which imports this package once
-``transformers.trainer`` has executed: the names then need no ``import optstate_hf``.
+per preset and family, ``optstate_adamw_auto``, and AdamW's ``..._stream`` names, whose preset ends in
+``-stream``: the optimizer is wrapped with ``stream_weights=True`` and the callback streams the model).
+The enum step lives in ``optstate_hf_names`` (standard library only), which the ``.pth`` hook of an
+installed optstate runs when transformers is imported (with the table's preset names, which it cannot
+import), and which imports this package once ``transformers.trainer`` has executed: the names then need
+no ``import optstate_hf``.
 
 If the installed transformers lacks the validation or dispatch hook, :func:`register` raises
 :class:`RegistrationError` before changing anything (``Trainer(optimizer_cls_and_kwargs=...)`` still

@@ -41,23 +41,33 @@ AUTO = "auto"
 #: name prefix -> the inner optimizer it builds: every preset exists for AdamW, lion-pytorch's Lion and
 #: schedulefree's AdamWScheduleFree (``optstate_lion_8bit``: Lion with the ``8bit`` preset)
 FAMILIES = {"optstate_adamw": "adamw", "optstate_lion": "lion", "optstate_schedule_free_adamw": "schedule_free_adamw"}
+#: ``optstate_core``'s preset suffix for the weights streamed (``stream_weights=True``): AdamW's names have it
+#: too (``optstate_adamw_bf16w_4bit_lean_stream``), but for the ``-it24`` presets (schedule-free's iterate)
+STREAM = "-stream"
 
 
 def optim_name(prefix: str, preset: str) -> str:
     """``optstate_adamw`` for ``default``, else the prefix, ``_`` and the preset with ``-`` as ``_``
-    (``bf16w-4bit-lean`` -> ``optstate_adamw_bf16w_4bit_lean``)."""
-    return prefix if preset == "default" else f"{prefix}_{preset.replace('-', '_')}"
+    (``bf16w-4bit-lean`` -> ``optstate_adamw_bf16w_4bit_lean``); ``default-stream`` -> ``optstate_adamw_stream``."""
+    stream = preset.endswith(STREAM)
+    base = preset[:-len(STREAM)] if stream else preset
+    name = prefix if base == "default" else f"{prefix}_{base.replace('-', '_')}"
+    return name + ("_stream" if stream else "")
 
 
 def optim_names(presets) -> Tuple[Dict[str, str], Dict[str, str]]:
     """``({optim name: preset}, {optim name: family})`` for every family and preset of ``presets``,
-    and ``optstate_adamw_auto``."""
+    ``optstate_adamw_auto``, and AdamW's ``-stream`` presets (``optstate_adamw..._stream``)."""
     names: Dict[str, str] = {}
     family_of: Dict[str, str] = {}
     for prefix, family in FAMILIES.items():
         for preset in list(presets) + ([AUTO] if family == "adamw" else []):
             name = optim_name(prefix, preset)
             names[name], family_of[name] = preset, family
+    for preset in presets:
+        if not preset.endswith("-it24"):
+            name = optim_name("optstate_adamw", preset + STREAM)
+            names[name], family_of[name] = preset + STREAM, "adamw"
     return names, family_of
 
 

@@ -13,8 +13,9 @@ class of ``lightning.pytorch`` or ``pytorch_lightning``. It:
 * logs ``VirtualOptimizer.log_metrics()`` through ``pl_module.log_dict`` after each step;
 * with ``release_gradients=True``, hands ``gradient_clip_val`` to the optimizers (norm clipping)
   and turns Lightning's own clipping off (value clipping is refused);
-* with ``stream_weights=True`` (and release), streams the module's decoder layers' weights from host
-  memory (``optstate_core.stream_weights``; docs/weight-streaming.md) from the start of the fit.
+* with ``stream_weights=True`` (a wrap option: it turns release on; a ``"<preset>-stream"`` policy sets
+  it, and an optimizer wrapped with it asks for it), streams the module's decoder layers' weights from
+  host memory (``optstate_core.stream_weights``; docs/weight-streaming.md) from the start of the fit.
 """
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ class CallbackLogic:
         super().__init__()
         if not isinstance(stream_weights, bool):
             raise ValueError(f"stream_weights must be True or False, got {stream_weights!r}")
-        self.stream_weights = stream_weights
+        if stream_weights:  # a wrap option (it turns release on), as a "-stream" preset sets it
+            wrap_options["stream_weights"] = True
         self.config = OptStateConfig(policy, log_metrics=log_metrics, log_prefix=log_prefix,
                                      wrap_options=wrap_options)
+        self.stream_weights = bool(self.config.wrap_options.get("stream_weights"))
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -100,11 +103,19 @@ class CallbackLogic:
         self._steps_seen = [o.step_count for o in self.optimizers]
         self.switch_steps = [None] * len(self.optimizers)
         self._reset_window()
-        if self.stream_weights and self.stream is None:
-            if len(self.optimizers) != 1:
-                raise ValueError(f"stream_weights=True needs the module's one optimizer, got {len(self.optimizers)}")
-            self.stream = oc.stream_weights(pl_module, self.optimizers[0])
+        self._start_stream(pl_module)
         return self.optimizers
+
+    def _start_stream(self, pl_module) -> None:
+        """Stream the module's layers when this callback or an optimizer's option says so (once per fit)."""
+        wanted = self.stream_weights or any(o.options.stream_weights for o in self.optimizers)
+        if self.stream is not None or not wanted:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"stream_weights=True needs the module's one optimizer, got {len(self.optimizers)}")
+        current = self.optimizers[0].weight_stream  # started by the user already
+        self.stream = current if current is not None and not current.closed else \
+            oc.stream_weights(pl_module, self.optimizers[0])
 
     def _wrapped(self, opt, pl_module, previous: Dict[int, oc.VirtualOptimizer]):
         if isinstance(opt, oc.VirtualOptimizer):

@@ -8,6 +8,7 @@ import torch
 
 import optstate_core as oc
 from optstate_core.apps import auto
+from optstate_core.presets import with_stream
 
 PolicySpec = Union[None, str, oc.Policy]
 AUTO = "auto"
@@ -16,7 +17,8 @@ AUTO = "auto"
 class OptStateConfig:
     """Validated settings: the policy (template), metric logging, and ``oc.wrap`` options.
 
-    ``policy`` is ``None`` (the default preset), a preset name from ``optstate_core.PRESETS``,
+    ``policy`` is ``None`` (the default preset), a preset name from ``optstate_core.PRESETS`` (or
+    one + ``-stream``: the wrap option ``stream_weights=True``),
     ``"auto"`` (preset, ``gpu_budget`` and release planned for the LightningModule when the optimizer
     is wrapped: ``optstate_core.apps.auto.wrap``, whose ``micro_batch``, ``seq_len``, ``loss``,
     ``gpu_memory``, ``activations`` and ``device`` are taken among the wrap options), or an
@@ -30,13 +32,15 @@ class OptStateConfig:
         if policy is not None and not isinstance(policy, (str, oc.Policy)):
             raise ValueError(f"policy must be None, a preset name ({', '.join(sorted(oc.PRESETS))}) or an "
                              f"optstate_core.Policy, got {type(policy).__name__}")
+        wrap_options = dict(wrap_options or {})
+        if isinstance(policy, str):  # "<preset>-stream": the preset, wrapped with stream_weights=True
+            policy, wrap_options = with_stream(policy, wrap_options)
         if isinstance(policy, str) and policy != AUTO:
             oc.make_policy(policy)  # raises ValueError naming the valid presets
         if log_metrics not in (True, False):
             raise ValueError(f"log_metrics must be True or False, got {log_metrics!r}")
         if not isinstance(log_prefix, str):
             raise ValueError(f"log_prefix must be a string, got {type(log_prefix).__name__}")
-        wrap_options = dict(wrap_options or {})
         if "policy" in wrap_options:
             raise ValueError("wrap options: pass the policy as policy=..., not among the wrap options")
         self.auto_options = {k: wrap_options.pop(k) for k in auto.OPTIONS if k in wrap_options} \

@@ -131,7 +131,8 @@ def wrap(optimizer: torch.optim.Optimizer, model=None, **options) -> VirtualOpti
     """``optimizer`` wrapped with what :func:`choose` picks for ``model`` (logged on one line).
     ``options``: :func:`choose`'s (``micro_batch``, ``seq_len``, ``loss``, ``gpu_memory``,
     ``activations``, ``device``, ``release_gradients``) and the wrapper's; ``gpu_budget``, ``offload``
-    and ``policy`` are the choice's. The optimizer is untouched when an argument is refused."""
+    and ``policy`` are the choice's (``stream_weights=True`` plans with release). The optimizer is untouched
+    when an argument is refused."""
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, VirtualOptimizer):
         raise ValueError(f"optimizer must be a torch optimizer (not yet wrapped), got {type(optimizer).__name__}")
     if type(optimizer).__name__ not in OPTIMIZERS:
@@ -141,6 +142,8 @@ def wrap(optimizer: torch.optim.Optimizer, model=None, **options) -> VirtualOpti
         if key in options:
             raise ValueError(f"{key}: preset 'auto' chooses it; leave it out, or wrap with a preset name")
     mine = {k: options.pop(k) for k in OPTIONS + ("release_gradients",) if k in options}
+    if options.get("stream_weights") is True:
+        mine.setdefault("release_gradients", True)  # streamed weights are updated in backward
     params = [p for group in optimizer.param_groups for p in group["params"]]
     choice = choose(model, params=params, release_bucket_bytes=options.get("release_bucket_bytes"), **mine)
     log.info("%s", choice.describe())

@@ -114,6 +114,7 @@ class ClipAndRelease:
         self.param_ids = None  # ids of the parameters the hooks are on (release_params.follow_parameters)
         self.deferred_check = False  # plain parameters under several processes at wrap(): checked again later
         self._update_listeners = []  # called with each released batch's parameters once updated (weight_stream.py)
+        self.stream = None  # the WeightStream riding on these updates, once started (weight_stream.start)
 
     # -- backward (phase 1 of the step schedule) ---------------------------------------------------
     def __call__(self, param) -> None:
@@ -132,6 +133,7 @@ class ClipAndRelease:
                 "set_step_boundary(True) before the last one (the integrations do it for you; Lightning Fabric "
                 "and plain loops: docs/lightning.md#fabric)")
         if not self._pending:  # the first of this backward: the rest goes when backward ends
+            self.check_streaming()
             wake_for_update(self.engine, "a gradient released in backward")
             if self.deferred_check:  # still plain parameters under several processes (DDP): refused here
                 follow_parameters(self.engine)
@@ -180,6 +182,14 @@ class ClipAndRelease:
 
     def remove_update_listener(self, listener) -> None:
         self._update_listeners = [f for f in self._update_listeners if f != listener]  # bound methods: equal, not identical
+
+    def check_streaming(self) -> None:
+        """Refuse an update (before any) when the optimizer wants its weights streamed but none was started."""
+        if self.stream is None and self.engine.options.stream_weights:
+            raise RuntimeError("optstate: the optimizer was wrapped with stream_weights=True (or a '-stream' preset) "
+                               "but no weight stream was started, so nothing was updated: call "
+                               "opt.stream_weights(model) or optstate_core.stream_weights(model, opt) before training "
+                               "(the HF and Lightning callbacks do it when training begins)")
 
     def stage_next(self) -> bool:
         """Upload the offloaded state of the next ``tuning.stage_ahead`` batches expected (the
@@ -284,7 +294,7 @@ class ClipAndRelease:
         """Copies keep no buckets (their pointer tables address the original's memory) and nothing pending."""
         state = dict(self.__dict__)
         state.update(_buckets={}, _infos={}, _pending=[], _pending_bytes=0, _partial=False, _exact_norm=None,
-                     _order=[], _last_order=[], _staged_to=0, _update_listeners=[])
+                     _order=[], _last_order=[], _staged_to=0, _update_listeners=[], stream=None)
         return state
 
     # -- clipping ----------------------------------------------------------------------------------

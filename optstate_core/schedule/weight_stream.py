@@ -197,6 +197,7 @@ class WeightStream:
         self._handles = []
         self.h2d_bytes = 0  # bytes copied in / written back so far
         self.d2h_bytes = 0
+        self.closed = False  # close() ended it
         cuda = [p.device for m in layers for p in m.parameters() if p.is_cuda]
         self.copy_stream = torch.cuda.Stream(cuda[0]) if cuda else None  # copies in
         self.home_stream = torch.cuda.Stream(cuda[0]) if cuda else None  # write-backs
@@ -338,6 +339,7 @@ class WeightStream:
             h.remove()
         self._handles = []
         self.release.remove_update_listener(self._updated)
+        self.closed = True
 
 
 def _host_state_dict(layer: _Layer):
@@ -357,11 +359,14 @@ def _host_state_dict(layer: _Layer):
 def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequence[nn.Module]] = None,
           prefetch: int = 1) -> WeightStream:
     """Stream the weights of ``model``'s decoder layers (or ``layers``) for an optimizer whose
-    gradient release is ``release`` and whose parameters have the ids ``owned`` (see
-    :meth:`~optstate_core.optimizer.VirtualOptimizer.stream_weights`)."""
+    gradient release is ``release`` and whose parameters have the ids ``owned``; ``release.stream`` keeps
+    it, one at a time (see :meth:`~optstate_core.optimizer.VirtualOptimizer.stream_weights`)."""
     if not release.release:
-        raise ValueError("stream_weights: the optimizer must be wrapped with release_gradients=True (a layer's "
-                         "weights are updated in backward, while they are on the device)")
+        raise ValueError("stream_weights: the optimizer must be wrapped with release_gradients=True or "
+                         "stream_weights=True (a layer's weights are updated in backward, while on the device)")
+    if release.stream is not None and not release.stream.closed:
+        raise RuntimeError("stream_weights: this optimizer streams its model's weights already (opt.weight_stream); "
+                           "close() that stream first")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"stream_weights: prefetch must be an int >= 0 (layers copied in ahead), got {prefetch!r}")
     layers = decoder_layers(model) if layers is None else list(layers)
@@ -373,7 +378,7 @@ def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequ
                 raise ValueError(f"stream_weights: layers[{i}].{name} is on the meta device; materialise it first")
             if id(p) not in owned and p.requires_grad:
                 raise ValueError(f"stream_weights: layers[{i}].{name} is not a parameter of the optimizer")
-    stream = WeightStream(layers, release, boundary, prefetch)
+    stream = release.stream = WeightStream(layers, release, boundary, prefetch)
     log.info("optstate: streaming the weights of %d layers (%.2f GiB in host memory)", len(layers),
              stream.host_bytes() / 2**30)
     return stream

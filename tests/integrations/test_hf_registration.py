@@ -30,13 +30,20 @@ NAMES = {"optstate_adamw" + ("" if preset == "default" else "_" + preset.replace
 #: every AdamW name exists for lion-pytorch's Lion and schedulefree's AdamWScheduleFree too
 NAMES.update({family + name[len("optstate_adamw"):]: preset for name, preset in list(NAMES.items())
               for family in ("optstate_lion", "optstate_schedule_free_adamw")})
+#: AdamW's names + "_stream": the preset + "-stream" (stream_weights=True), but for schedule-free's -it24 presets
+NAMES.update({name + "_stream": preset + "-stream" for name, preset in list(NAMES.items())
+              if name.startswith("optstate_adamw") and not preset.endswith("-it24")})
 PRESET_NAMES = sorted(NAMES)  # the names of the table's presets
 NAMES["optstate_adamw_auto"] = "auto"  # the preset chosen per model (tests/integrations/test_hf_auto.py)
 
 
 def test_names_map_to_core_presets():
     assert optstate_hf.OPTIM_NAMES == NAMES
-    assert set(NAMES.values()) == set(oc.PRESETS) | {"auto"}
+    streamed = {p + "-stream" for p in oc.PRESETS if not p.endswith("-it24")}
+    assert set(NAMES.values()) == set(oc.PRESETS) | streamed | {"auto"}
+    assert {"optstate_adamw_stream", "optstate_adamw_bf16w_4bit_lean_stream",
+            "optstate_adamw_bf16w_4bit_lean_offload_stream"} <= NAMES.keys()
+    assert len(NAMES) == 3 * len(oc.PRESETS) + len(streamed) + 1
     assert HAND_LIST.items() <= NAMES.items()
     assert {"optstate_adamw_8bit_it24", "optstate_schedule_free_adamw_4bit_it24"} <= NAMES.keys()
     assert optstate_hf.is_registered()
@@ -49,6 +56,7 @@ def test_the_hooks_preset_names_are_the_core_table():
 
     assert list(optstate_hf_names.PRESET_NAMES) == list(oc.PRESETS)
     assert optstate_hf_names.OPTIM_NAMES == optstate_hf.OPTIM_NAMES
+    assert optstate_hf_names.STREAM == oc.presets.STREAM_SUFFIX
 
 
 @pytest.mark.parametrize("preset", sorted(oc.PRESETS))
@@ -138,8 +146,11 @@ def test_handler_builds_preset_with_trainer_hyperparameters(tmp_path, name):
     assert kwargs["preset"] == NAMES[name]
     if cls is not optstate_hf.OptStateAdamW:
         pytest.importorskip("lion_pytorch" if cls is optstate_hf.OptStateLion else "schedulefree")
-    expected = oc.make_policy(NAMES[name])
-    policy = cls([torch.nn.Parameter(torch.zeros(4))], **kwargs).policy
+    base, stream = oc.presets.split_stream(NAMES[name])  # a _stream name: the base's policy, streaming wanted
+    expected = oc.make_policy(base)
+    opt = cls([torch.nn.Parameter(torch.zeros(4))], **kwargs)
+    assert opt.options.stream_weights == stream == name.endswith("_stream") and (opt.release_gradients or not stream)
+    policy = opt.policy
     assert type(policy) is oc.WarmupPolicy
     assert policy.momentum_codec.name == expected.momentum_codec.name
     assert policy.variance_codec.name == expected.variance_codec.name

@@ -1,6 +1,6 @@
-"""Weight streaming through Lightning: ``OptStateCallback(..., release_gradients=True, stream_weights=True)``
-streams the module's decoder layers from the start of the fit, and the fit equals the same fit with the
-weights resident, bit for bit; bad values are refused by name."""
+"""Weight streaming through Lightning: ``OptStateCallback(..., stream_weights=True)`` (release follows) or a
+``"<preset>-stream"`` policy streams the module's decoder layers from the start of the fit, and the fit equals
+the same fit with the weights resident, bit for bit; bad values are refused by name."""
 import pytest
 
 pytest.importorskip("lightning")
@@ -38,9 +38,9 @@ class Blocks(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
-def _fit(stream: bool):
+def _fit(stream: bool, policy="8bit", **options):
     model = Blocks()
-    cb = OptStateCallback("8bit", release_gradients=True, release_bucket_bytes=4096, stream_weights=stream)
+    cb = OptStateCallback(policy, release_gradients=True, release_bucket_bytes=4096, stream_weights=stream, **options)
     trainer(callbacks=[cb], max_epochs=1).fit(model, loader())
     return model, cb
 
@@ -54,9 +54,30 @@ def test_a_streamed_fit_equals_the_resident_fit():
     assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
 
 
-def test_stream_weights_is_a_bool_and_needs_release():
+def test_a_stream_preset_streams_as_stream_weights_does_with_release_implied():
+    """``OptStateCallback("8bit-stream")``: the ``8bit`` policy, wrapped with ``stream_weights=True`` (release
+    on without being asked), streamed from the start of the fit: the same fit as ``stream_weights=True``."""
+    ref, _ = _fit(True)
+    model = Blocks()
+    cb = OptStateCallback("8bit-stream", release_bucket_bytes=4096)
+    assert cb.stream_weights and cb.config.policy == "8bit"
+    trainer(callbacks=[cb], max_epochs=1).fit(model, loader())
+    opt = cb.optimizers[0]
+    assert opt.options.stream_weights and opt.release_gradients and cb.stream is opt.weight_stream is not None
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.layers[2].parameters())
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+
+def test_stream_weights_is_a_bool_and_turns_release_on():
     with pytest.raises(ValueError, match="stream_weights must be True or False"):
         OptStateCallback("8bit", stream_weights="yes")
+    for policy, stream in (("8bit", True), ("8bit-stream", False)):
+        with pytest.raises(ValueError, match="release_gradients=False contradicts stream_weights=True"):
+            OptStateCallback(policy, release_gradients=False, stream_weights=stream)
+    with pytest.raises(ValueError, match="unknown preset 'int3-stream'"):
+        OptStateCallback("int3-stream")
     model = Blocks()
-    with pytest.raises(ValueError, match="release_gradients=True"):
-        trainer(callbacks=[OptStateCallback("8bit", stream_weights=True)], max_epochs=1).fit(model, loader())
+    cb = OptStateCallback("8bit", stream_weights=True)  # release follows
+    trainer(callbacks=[cb], max_epochs=1).fit(model, loader())
+    assert cb.optimizers[0].release_gradients and cb.stream is not None
