@@ -112,6 +112,8 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         stream_weights: the model's decoder layers are to stream from host memory (turns gradient release
             on; a preset name ending in ``-stream`` sets it): :meth:`stream_weights` (or an integration's
             callback) starts it with the model, and an update before it starts raises, changing nothing.
+        offload_activations: with ``stream_weights``, the layer inputs that activation checkpointing keeps
+            go to host memory between forward and recompute (:func:`optstate_core.offload_activations`).
 
     Older spellings still work, with a ``DeprecationWarning`` (:data:`optstate_core.options.ALIASES`):
     ``elementwise`` (``granularity``), ``prefetch_during_backward`` (``prefetch_budget``) and
@@ -290,7 +292,7 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         """Record an option changed after wrap() (``options`` and ``memory_report()`` show it)."""
         self._engine.replace_options(**values)
 
-    def stream_weights(self, model, *, layers=None, prefetch: int = 1):
+    def stream_weights(self, model, *, layers=None, prefetch: int = 1, offload_activations: Optional[bool] = None):
         """Keep the weights of ``model``'s decoder layers (the children of its largest
         ``nn.ModuleList``, or ``layers``) in host memory, brought to the device for each layer's
         forward, recompute and backward and written back after its update in backward (needs
@@ -298,10 +300,12 @@ class VirtualOptimizer(PhaseSwitch, torch.optim.Optimizer):
         the same training; one stream at a time, kept as :attr:`weight_stream`; ``release_bucket_bytes`` is
         lowered to the smallest layer's bytes, so each layer goes home once updated). ``prefetch``:
         layers copied in ahead of the one running. Returns the :class:`~optstate_core.schedule.weight_stream.WeightStream`
-        (``close()`` ends it; ``gathered()`` holds every layer on the device for a block)."""
+        (``close()`` ends it; ``gathered()`` holds every layer on the device for a block).
+        ``offload_activations`` (None: the wrap option): the layers' checkpointed inputs go to host memory too."""
         engine = self._engine
         owned = {id(p) for p, _ in engine.param_infos()}
-        stream = weight_stream.start(model, engine.clip_release, engine.boundary, owned, layers, prefetch)
+        offload = self.options.offload_activations if offload_activations is None else offload_activations
+        stream = weight_stream.start(model, engine.clip_release, engine.boundary, owned, layers, prefetch, offload)
         layer_bytes = min(layer.bytes for layer in stream.layers)
         if self.options.release_bucket_bytes > layer_bytes:  # a layer goes home as soon as it is updated
             log.info("optstate: release_bucket_bytes %d -> %d (a streamed layer's gradients)",

@@ -56,6 +56,7 @@ class WrapOptions:
     clip_mode: str = "auto"
     tuning: Optional[Tuning] = None  # resolved by build(): the given fields over Tuning.from_env()
     stream_weights: bool = False  # the model's weights are to stream (VirtualOptimizer.stream_weights starts it)
+    offload_activations: bool = False  # ... and the inputs checkpointing keeps go to host memory meanwhile
 
     @classmethod
     def build(cls, optimizer: torch.optim.Optimizer, options: Optional["WrapOptions"] = None,
@@ -156,8 +157,11 @@ def _validated(optimizer, kw: dict, aliases: dict) -> dict:
         out["fast_math"] = fast_math_default()
     out["tuning"] = Tuning.resolve(out["tuning"])
     for name in ("skip_nonfinite", "check_in_backward", "offload", "stochastic_param_rounding",
-                 "observe_closure_loss", "profile", "stream_weights"):
+                 "observe_closure_loss", "profile", "stream_weights", "offload_activations"):
         out[name] = _check_bool(name, out[name])
+    if out["offload_activations"] and not out["stream_weights"]:
+        raise ValueError("offload_activations=True needs stream_weights=True (it starts with the stream); without "
+                         "streaming call optstate_core.offload_activations(model)")
     out["release_gradients"] = _release(out["release_gradients"], out["stream_weights"])
     if isinstance(out["seed"], bool) or not isinstance(out["seed"], int):
         raise ValueError(f"seed must be an int, got {out['seed']!r}")

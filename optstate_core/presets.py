@@ -44,7 +44,7 @@ def unwrap(optimizer, depth: int = 8) -> Optional[VirtualOptimizer]:
     return None
 
 
-def stream_weights(model, optimizer, *, layers=None, prefetch: int = 1):
+def stream_weights(model, optimizer, *, layers=None, prefetch: int = 1, offload_activations=None):
     """Keep the weights of ``model``'s decoder layers in host memory and stream them through the
     device around each visit; ``optimizer``: its wrapped optimizer (or a framework's wrapper of it),
     built with ``release_gradients=True``. See :meth:`VirtualOptimizer.stream_weights`."""
@@ -52,7 +52,7 @@ def stream_weights(model, optimizer, *, layers=None, prefetch: int = 1):
     if found is None:
         raise ValueError(f"stream_weights: optimizer must be a wrapped optimizer (optstate_core.wrap), "
                          f"got {type(optimizer).__name__}")
-    return found.stream_weights(model, layers=layers, prefetch=prefetch)
+    return found.stream_weights(model, layers=layers, prefetch=prefetch, offload_activations=offload_activations)
 
 
 class OptStateAdamW(VirtualOptimizer):

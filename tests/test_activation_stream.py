@@ -139,3 +139,26 @@ def test_close_brings_everything_back_and_stops():
     moved = acts.d2h_bytes
     model(ids).sum().backward()
     assert acts.d2h_bytes == moved
+
+
+def test_the_wrap_option_offloads_with_the_stream_and_close_ends_both():
+    ref_losses, ref_params, _, _ = run("non_reentrant", offload=False, stream=True)
+    model = build("non_reentrant")
+    opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), "8bit-stream",
+                  release_bucket_bytes=4096, offload_activations=True)
+    stream = opt.stream_weights(model)
+    assert train(model, opt) == ref_losses
+    assert stream.activations.d2h_bytes == 3 * (DEPTH - 2) * 4 * 16 * WIDTH * 4
+    stream.close()
+    moved = stream.activations.d2h_bytes
+    train(model, opt, steps=1)
+    assert stream.activations.d2h_bytes == moved
+
+
+@pytest.mark.parametrize("options, match", [({"offload_activations": True}, "needs stream_weights=True"),
+                                            ({"stream_weights": True, "offload_activations": "yes"},
+                                             "offload_activations")])
+def test_the_wrap_option_is_refused_by_name(options, match):
+    model = build("reentrant")
+    with pytest.raises(ValueError, match=match):
+        oc.wrap(torch.optim.AdamW(model.parameters()), "8bit", **options)

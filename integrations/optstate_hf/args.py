@@ -139,6 +139,8 @@ KEYS: Dict[str, Key] = {
     "stream_weights": Key(_bool, "keep the decoder layers' weights in host memory and stream them through the GPU "
                                  "from the start of training (turns release_gradients on, as a _stream optim name "
                                  "does; docs/weight-streaming.md)", "wrap"),
+    "offload_activations": Key(_bool, "with stream_weights: the layer inputs activation checkpointing keeps go to "
+                                      "host memory between forward and recompute (docs/weight-streaming.md)", "wrap"),
     "seq_len": Key(_int(1), "auto: tokens per sequence to plan for (default: the trainer's max_length, else the "
                             "model's max_position_embeddings)", "auto"),
     "gpu_memory": Key(_size, "auto: GPU bytes to plan for (default: the device's free memory plus this process's "

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .weight_stream import checkpoints_itself, decoder_layers, first_grad_output, in_backward, under_checkpoint
+from .layer_visits import checkpoints_itself, decoder_layers, first_grad_output, in_backward, under_checkpoint
 
 log = logging.getLogger("optstate")
 

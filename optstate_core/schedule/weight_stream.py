@@ -40,44 +40,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .activation_stream import ActivationStream
+from .layer_visits import checkpoints_itself, decoder_layers, first_grad_output, in_backward, under_checkpoint
+
 log = logging.getLogger("optstate")
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a checkpoint's recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def under_checkpoint() -> bool:
-    """Whether this forward runs inside non-reentrant activation checkpointing (autograd keeps
-    nothing of it: the recompute in backward runs the forward again)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook")
-
-
-def checkpoints_itself(module: nn.Module) -> bool:
-    """Whether ``module``'s training forward checkpoints inside its own ``forward``, under its hooks
-    (transformers' ``GradientCheckpointingLayer`` from 5.2x on): its hooks then run outside the
-    checkpoint, once, and its recompute in backward runs no hook."""
-    return bool(getattr(module, "gradient_checkpointing", False)) and module.training and torch.is_grad_enabled()
-
-
-def first_grad_output(output) -> Optional[torch.Tensor]:
-    """The first tensor of a layer's output that autograd will send a gradient to, or None."""
-    for o in (output if isinstance(output, (tuple, list)) else (output,)):
-        if isinstance(o, torch.Tensor) and o.requires_grad:
-            return o
-    return None
-
-
-def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    """The model's repeated blocks: the children of its largest ``nn.ModuleList`` (``model.layers``
-    of a Hugging Face causal LM, ``h`` of GPT-2)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise ValueError("stream_weights: the model has no nn.ModuleList of layers; pass layers=[...]")
-    best = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(best)
 
 
 #: host copies of parameters whose weights :func:`offload_weights` moved before an optimizer
@@ -198,6 +164,7 @@ class WeightStream:
         self.h2d_bytes = 0  # bytes copied in / written back so far
         self.d2h_bytes = 0
         self.closed = False  # close() ended it
+        self.activations = None  # the ActivationStream started with it (offload_activations=True)
         cuda = [p.device for m in layers for p in m.parameters() if p.is_cuda]
         self.copy_stream = torch.cuda.Stream(cuda[0]) if cuda else None  # copies in
         self.home_stream = torch.cuda.Stream(cuda[0]) if cuda else None  # write-backs
@@ -339,6 +306,8 @@ class WeightStream:
             h.remove()
         self._handles = []
         self.release.remove_update_listener(self._updated)
+        if self.activations is not None:
+            self.activations.close()
         self.closed = True
 
 
@@ -357,7 +326,7 @@ def _host_state_dict(layer: _Layer):
 
 
 def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequence[nn.Module]] = None,
-          prefetch: int = 1) -> WeightStream:
+          prefetch: int = 1, offload_activations: bool = False) -> WeightStream:
     """Stream the weights of ``model``'s decoder layers (or ``layers``) for an optimizer whose
     gradient release is ``release`` and whose parameters have the ids ``owned``; ``release.stream`` keeps
     it, one at a time (see :meth:`~optstate_core.optimizer.VirtualOptimizer.stream_weights`)."""
@@ -378,7 +347,11 @@ def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequ
                 raise ValueError(f"stream_weights: layers[{i}].{name} is on the meta device; materialise it first")
             if id(p) not in owned and p.requires_grad:
                 raise ValueError(f"stream_weights: layers[{i}].{name} is not a parameter of the optimizer")
+    if not isinstance(offload_activations, bool):
+        raise ValueError(f"stream_weights: offload_activations must be True or False, got {offload_activations!r}")
     stream = release.stream = WeightStream(layers, release, boundary, prefetch)
+    if offload_activations:  # the layer inputs checkpointing keeps, through the same layers' hooks
+        stream.activations = ActivationStream(layers, prefetch)
     log.info("optstate: streaming the weights of %d layers (%.2f GiB in host memory)", len(layers),
              stream.host_bytes() / 2**30)
     return stream

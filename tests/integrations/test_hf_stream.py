@@ -108,3 +108,13 @@ def test_stream_weights_turns_release_on_and_bad_combinations_are_refused(tmp_pa
         optstate_hf.OptStateCallback(stream_weights="yes")
     with pytest.raises(ValueError, match="stream_weights='maybe'"):
         run(tmp_path / "bad", tiny_llama(), "stream_weights=maybe")
+
+
+def test_offload_activations_in_optim_args_moves_the_checkpointed_inputs_and_trains_as_resident(tmp_path):
+    ref_losses, _ = run(tmp_path / "ref", tiny_llama(), RELEASE)
+    losses, trainer = run(tmp_path / "streamed", tiny_llama(), "release_bucket_bytes=4096,offload_activations=true",
+                          optim="optstate_adamw_stream")
+    assert losses == ref_losses
+    acts = oc.unwrap(trainer.optimizer).weight_stream.activations
+    # the first of 3 layers (the last prefetch + 1 = 2 keep theirs): 2 x 16 tokens x 32 fp32 a step
+    assert acts.d2h_bytes == acts.h2d_bytes == 3 * 2 * 16 * 32 * 4
