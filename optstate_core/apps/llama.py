@@ -49,6 +49,7 @@ class LlamaShape:
 #: the configurations the peak-memory benchmark (issue 14) names
 NAMED_SHAPES = {
     "0.95b": LlamaShape(hidden=2048, layers=16, ffn=5632, heads=16, kv_heads=16, vocab=32000),  # e2e.py's
+    "3b": LlamaShape(hidden=3072, layers=28, ffn=8192, heads=24, kv_heads=8, vocab=128256),  # Llama-3.2-3B's, untied
     "8b": LlamaShape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256),  # Llama-3-8B's
     "70b": LlamaShape(hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=128256),  # Llama-3-70B's
     "405b": LlamaShape(hidden=16384, layers=126, ffn=53248, heads=128, kv_heads=8, vocab=128256),  # Llama-3.1-405B's
