@@ -208,7 +208,13 @@ class ActivationStream:
         """Bring every input still out back and remove the hooks."""
         for entries in self._pending.values():
             for e in entries:
-                self._bring(e)
+                x = e.tensor()
+                if x is not None and not e.used:
+                    self._bring(e)
+                    if e.copied is not None:
+                        x.record_stream(torch.cuda.current_stream(x.device))  # autograd frees it there
+                    e.used = True
+                    self._recycle(e)
         if self._streams is not None:
             torch.cuda.synchronize()
         self._pending.clear()
