@@ -84,17 +84,18 @@ def test_pcie_bytes_match_a_hand_count():
     assert sum(p.pcie_in.values()) == 2 * streamed + state
     assert sum(p.pcie_out.values()) == streamed + state
     assert p.pinned == streamed + state and p.gpu_total == memory
-    # a layer's bytes more, less the checkpoints': with them in host memory (a plan on request: not built)
-    # one layer more fits, and the
-    # window's two slots then hold the last two: all four stay (streaming two through a window of two saves nothing)
-    more = memory + layer * 2 - checkpoints
+    # a layer's bytes more, less the checkpoints' but three layers' (the last two never move, one is
+    # prefetched): with them in host memory one layer more fits, and the window's two slots then hold
+    # the last two: all four stay (streaming two through a window of two saves nothing)
+    kept, moved = checkpoints * 3 // layers, checkpoints * 2 // layers
+    more = memory + layer * 2 - checkpoints + kept
     q = plan_stream.stream_plan(shapes, TINY, more, batch, seq, window=window, host_activations_cap=2**30, **BARE)
     assert (q.resident_layers, q.checkpoints_on_host, q.gpu["state on GPU"]) == (4, True, 0)
     assert q.gpu["window of streamed layers"] == 0
     streamed = 0
-    assert sum(q.pcie_in.values()) == 2 * streamed + state + checkpoints
-    assert sum(q.pcie_out.values()) == streamed + state + checkpoints
-    assert q.pinned == streamed + state + checkpoints and q.gpu_total == more
+    assert sum(q.pcie_in.values()) == 2 * streamed + state + moved
+    assert sum(q.pcie_out.values()) == streamed + state + moved
+    assert q.pinned == streamed + state + moved and q.gpu_total == more
 
 
 def test_times_and_tokens():
@@ -173,3 +174,24 @@ def test_a_run_as_set_up_resident_layers_and_state_budget_as_given():
     largest_layer = max(math.prod(s) for name, s in config_shapes(TINY) if ".layers." in name) * 2
     assert fixed.gpu["release bucket (bf16 gradients)"] == layer + largest_layer
     assert fixed.host["streamed weights (bf16)"] == 4 * layer
+
+
+def test_offloaded_activations_plan_the_checkpoints_in_host_memory_but_three_layers():
+    """--offload-activations (wrap(offload_activations=True)): the layer inputs in pinned host memory
+    and across PCIe each way, but the last two layers' (never moved) and the one prefetched."""
+    one = 2 * 32 * TINY["hidden_size"] * 2  # a layer's input: 2 x 32 tokens, bf16
+    kept = _plan(10**9, resident_layers=0, state_budget=0)
+    out = _plan(10**9, resident_layers=0, state_budget=0, offload_activations=True)
+    assert kept.gpu["layer checkpoints"] == 4 * one and out.gpu["layer checkpoints"] == 3 * one
+    assert out.host["checkpoints"] == out.pcie_in["checkpoints"] == out.pcie_out["checkpoints"] == 2 * one
+    assert "checkpoints" not in kept.host and out.checkpoints_on_host and not kept.checkpoints_on_host
+    assert sum(kept.gpu.values()) - sum(out.gpu.values()) == one
+    with pytest.raises(ValueError, match="--gpu-memory"):
+        _plan(10**5, offload_activations=True)
+
+
+def test_cli_offload_activations(capsys):
+    cli.main(["plan", "--model", "8b", "--gpu-memory", "12GB", "--batch", "1x16384", "--stream-weights",
+              "--resident-layers", "0", "--offload-activations"])
+    text = capsys.readouterr().out
+    assert "layer checkpoints in pinned host memory" in text

@@ -12,8 +12,9 @@ saves. Then the state (the preset's codecs, :func:`~optstate_core.apps.plan.para
 preset keeps on the GPU stays there as far as room is left, the embeddings' first, then layer by
 layer; the rest lives in host memory and crosses PCIe both ways per step. The layer checkpoints
 (each layer's saved input) stay on the GPU or, when that streams fewer bytes, live in host memory
-(under ``host_activations_cap``, 0 by default: ``stream_weights`` does not move them yet, so only
-``--host-activations`` plans it): out in forward, in during backward. ``resident_layers`` and
+(``offload_activations``, ``--offload-activations``; or the planner's choice under
+``host_activations_cap``, ``--host-activations``, 0 by default): out in forward, in during backward,
+the last two layers' and the one prefetched staying on the GPU. ``resident_layers`` and
 ``state_budget`` (``gpu_budget``) fix what the greedy choice would pick, to plan a run as it is set up. The recomputed layer's
 working set and the fused (chunked) loss's stay on the GPU.
 
@@ -52,7 +53,8 @@ PCIE_DUPLEX = 50.8e9
 #: FSDP2 on 4 x H200, 1 x 4096 per rank, no optimizer, 4,649 ms per iteration (BENCHMARKS.md, H200s 2026-11-28):
 #: 8 x 70.55e9 x 4096 / 4.649 s = 497 TFLOP/s, about half the H200's dense bf16 peak
 DEFAULT_TFLOPS = 500.0
-HOST_ACTIVATIONS_CAP = 0  # pinned host memory the layer checkpoints may take (not built: planned only on request)
+HOST_ACTIVATIONS_CAP = 0  # pinned host memory the layer checkpoints may take (the planner's choice; off by default)
+KEPT_CHECKPOINTS = 3  # offloaded, the GPU still holds the last prefetch + 1 = 2 layers' inputs and the prefetched one
 #: host memory a training process holds beside its pinned bytes: 38.55 GiB RSS per rank for 33.88 GiB of pinned
 #: state (Llama-3-70B, 4 x H100, shared pinned slabs; docs/benchmarks-journal.md section 28): the process itself
 #: (2.0 GiB measured without an optimizer), CUDA's host allocations and the slabs' slack
@@ -284,7 +286,7 @@ def stream_plan(shapes: NamedShapes, config: dict, gpu_memory: int, batch: int =
                 host_activations_cap: int = HOST_ACTIVATIONS_CAP, margin: float = BUDGET_MARGIN,
                 staging_bytes: int = STAGING_BYTES, release_bucket_bytes: int = RELEASE_BUCKET_BYTES,
                 source: str = "", resident_layers: Optional[int] = None,
-                state_budget: Optional[int] = None) -> StreamPlan:
+                state_budget: Optional[int] = None, offload_activations: Optional[bool] = None) -> StreamPlan:
     """The weight-streaming plan per GPU (module doc); ValueError naming the option if bad or nothing fits."""
     check_stream_args(gpu_memory, window, gpus, tflops, one_way, duplex, preset)
     root, layers = units(shapes, preset)
@@ -296,18 +298,21 @@ def stream_plan(shapes: NamedShapes, config: dict, gpu_memory: int, batch: int =
     ring = staging_bytes + staged_ahead(root, layers, gpus, release_bucket_bytes)
     n = root.params + sum(u.params for u in layers)
     options = []
-    for on_host in (False, True):
-        if on_host and checkpoints > host_activations_cap:
+    kept = checkpoints * min(KEPT_CHECKPOINTS, len(layers)) // len(layers)
+    kept_last = checkpoints * min(KEPT_CHECKPOINTS - 1, len(layers)) // len(layers)  # never leave the GPU
+    for on_host in ((False, True) if offload_activations is None else (offload_activations,)):
+        if on_host and offload_activations is None and checkpoints > host_activations_cap:
             continue
         p = StreamPlan(source, preset, gpu_memory, gpus, batch, seq, n, len(layers), window, 0, on_host,
-                       host={"checkpoints": checkpoints} if on_host else {}, tflops=tflops, one_way=one_way,
+                       host={"checkpoints": checkpoints - kept_last} if on_host else {}, tflops=tflops, one_way=one_way,
                        duplex=duplex)
-        if fill(p, root, layers, {**base, **({} if on_host else {"layer checkpoints": checkpoints})}, ring,
+        if fill(p, root, layers, {**base, "layer checkpoints": kept if on_host else checkpoints}, ring,
                 resident_layers, state_budget, release_bucket_bytes):
             options.append(p)
     if not options:
         window_bytes = min(window, len(layers)) * shard(max(u.params for u in layers), gpus) * BF16
-        need = sum(base.values()) + ring + window_bytes + (0 if checkpoints <= host_activations_cap else checkpoints)
+        on_host = offload_activations if offload_activations is not None else checkpoints <= host_activations_cap
+        need = sum(base.values()) + ring + window_bytes + (kept if on_host else checkpoints)
         raise ValueError(f"--gpu-memory {gpu_memory:,} bytes is too small to stream the weights: the window of "
                          f"{window} layers, the embeddings and lm_head, the gradients, the staging ring, the "
                          f"activations and the margin need {need:,} bytes = {gib(need)} at least")
@@ -387,9 +392,11 @@ def add_arguments(parser) -> None:
                    help="pinned host<->GPU GB/s one way (default: %(default)s, one H200)")
     g.add_argument("--stream-duplex-gbps", type=float, default=PCIE_DUPLEX / 1e9,
                    help="GB/s each way with both directions copying (default: %(default)s, one H200)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="the layer checkpoints in pinned host memory, as wrap(offload_activations=True) does")
     g.add_argument("--host-activations", default="0",
-                   help="pinned host memory the layer checkpoints may take (default 0: stream_weights keeps them "
-                        "on the GPU; more plans an offload that is not built)")
+                   help="pinned host memory the layer checkpoints may take where that streams fewer bytes (the "
+                        "planner's choice; default 0: on the GPU, as without offload_activations)")
     g.add_argument("--resident-layers", type=int, default=None,
                    help="decoder layers kept on the GPU (default: as many as fit)")
     g.add_argument("--state-budget", default=None,
@@ -415,5 +422,6 @@ def stream_from_args(args) -> Optional[StreamPlan]:
                        args.stream_preset, args.window, args.gpus, args.stream_tflops, args.stream_gbps * 1e9,
                        args.stream_duplex_gbps * 1e9, parse_bytes(args.host_activations, "--host-activations", True),
                        source=source, resident_layers=args.resident_layers,
+                       offload_activations=True if getattr(args, "offload_activations", False) else None,
                        state_budget=None if args.state_budget is None else parse_bytes(args.state_budget,
                                                                                        "--state-budget"))
