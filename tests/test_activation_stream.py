@@ -162,3 +162,37 @@ def test_the_wrap_option_is_refused_by_name(options, match):
     model = build("reentrant")
     with pytest.raises(ValueError, match=match):
         oc.wrap(torch.optim.AdamW(model.parameters()), "8bit", **options)
+
+
+class OutsideResidual(nn.Module):
+    """Checkpointed blocks whose residual is added by the caller, after the block: the input is read
+    again once the block's forward is over."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.GELU())
+                                    for _ in range(DEPTH))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.layers:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_input_the_caller_reads_after_the_layer_goes_out_only_when_the_next_layer_starts(reentrant):
+    x0 = torch.randn(4, 16, WIDTH, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for offload in (False, True):
+        model = OutsideResidual(reentrant)
+        acts = oc.offload_activations(model) if offload else None
+        x = x0.clone().requires_grad_()
+        y = model(x)
+        y.square().mean().backward()
+        runs.append((y.detach(), x.grad, [p.grad for p in model.parameters()]))
+    (y_ref, gx_ref, g_ref), (y, gx, g) = runs
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref) and all(torch.equal(a, b) for a, b in zip(g, g_ref))
+    assert acts.d2h_bytes == acts.h2d_bytes == (DEPTH - 2) * x0.numel() * 4

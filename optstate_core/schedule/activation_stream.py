@@ -8,10 +8,11 @@ cap they are what is left once the weights and the optimizer state stream
 (:mod:`.weight_stream`). :func:`optstate_core.offload_activations` (``model``; ``layers``, as for
 weight streaming, default the model's decoder layers) moves them:
 
-* **forward**: after a layer's checkpointed forward its input's bytes are copied to host memory
-  (pinned, from a pool reused every step) on a stream of their own and its device storage is freed
-  (``untyped_storage().resize_(0)``: the tensor autograd keeps is the same object, its storage
-  empty); the last ``prefetch + 1`` layers keep theirs, their recompute comes first;
+* **forward**: when the next layer starts (the caller may still read a layer's input after it, as a
+  residual added outside the layer does), the input a checkpointed forward kept is copied to host
+  memory (pinned, from a pool reused every step) on a stream of its own and its device storage is
+  freed (``untyped_storage().resize_(0)``: the tensor autograd keeps is the same object, its
+  storage empty); the last ``prefetch + 1`` layers keep theirs, their recompute comes first;
 * **backward**: a layer's recompute (its forward pre-hook in backward) brings its input back if it
   is not there yet and copies in the inputs of the ``prefetch`` layers before it, on a copy stream;
   the compute stream waits for a copy only where it is about to read it.
@@ -64,13 +65,14 @@ def _kept_for_recompute(module: nn.Module, x: torch.Tensor) -> bool:
 
 
 class _Offloaded:
-    """One layer input in host memory: the tensor (weakly: autograd owns it), its storage's bytes
-    on the host, and the events that order the copies (CUDA)."""
+    """One layer input kept for a recompute: the tensor (weakly: autograd owns it), its storage's
+    bytes on the host once sent, and the event that orders the copy in (CUDA)."""
 
-    def __init__(self, x: torch.Tensor, host: torch.Tensor):
+    def __init__(self, x: torch.Tensor):
         self.tensor = weakref.ref(x)
-        self.host, self.nbytes = host, x.untyped_storage().nbytes()
-        self.resident = self.used = False  # used: handed back to its recompute
+        self.nbytes = x.untyped_storage().nbytes()
+        self.host: Optional[torch.Tensor] = None  # its bytes in host memory, once sent
+        self.resident, self.used = True, False  # used: handed back to its recompute
         self.copied = None  # CUDA: the copy in is done (the compute stream waits for it)
 
 
@@ -81,7 +83,8 @@ class ActivationStream:
     def __init__(self, layers: Sequence[nn.Module], prefetch: int = 1):
         self.layers, self.prefetch = list(layers), prefetch
         self._index_of = {id(m): i for i, m in enumerate(self.layers)}
-        self._pending: Dict[int, List[_Offloaded]] = {}  # layer index -> its inputs out, latest last
+        self._pending: Dict[int, List[_Offloaded]] = {}  # layer index -> its inputs kept, latest last
+        self._waiting: List[_Offloaded] = []  # inputs to send when the next layer starts
         self._pool: Dict[int, List[tuple]] = {}  # nbytes -> free (host buffer, event after its last read)
         self._streams = None  # CUDA: (out, in)
         self.d2h_bytes = self.h2d_bytes = 0
@@ -101,17 +104,29 @@ class ActivationStream:
         if not storage.nbytes() or any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == storage.data_ptr()
                                        for o in outs):
             return  # nothing to move, or the output is a view of the input
-        entry = _Offloaded(x, self._host_buffer(storage))
+        entry = _Offloaded(x)
+        # sent when the next layer starts: the caller may still read the input (a residual added outside the layer)
+        self._waiting.append(entry)
+        self._pending.setdefault(i, []).append(entry)
+        out = first_grad_output(output)
+        if out is not None:  # where the recompute runs no hook, the output's gradient announces it
+            out.register_hook(lambda grad, i=i, entry=entry: self._before_backward(i, entry))
+
+    def _send(self, entry: _Offloaded) -> None:
+        """The input's bytes to a host buffer (CUDA: on the out stream, after the compute queued so
+        far) and its device storage freed (reused once the copy is done)."""
+        x = entry.tensor()
+        if x is None or entry.used or x.untyped_storage().nbytes() != entry.nbytes:
+            return  # gone, or its recompute came first, or its storage changed meanwhile
+        storage = x.untyped_storage()
+        entry.host = self._host_buffer(storage)
         with self._on("out") as stream:
             _raw(entry.host).copy_(_raw(storage), non_blocking=stream is not None)
             if stream is not None:
                 x.record_stream(stream)  # its memory is reused only after the copy out
         storage.resize_(0)
+        entry.resident = False
         self.d2h_bytes += entry.nbytes
-        self._pending.setdefault(i, []).append(entry)
-        out = first_grad_output(output)
-        if out is not None:  # where the recompute runs no hook, the output's gradient announces it
-            out.register_hook(lambda grad, i=i, entry=entry: self._before_backward(i, entry))
 
     def _host_buffer(self, storage) -> torch.Tensor:
         """A host buffer of the storage's size: one the pool has (once its last copy in is done), or new."""
@@ -127,7 +142,10 @@ class ActivationStream:
     def _before_forward(self, module, args, kwargs) -> None:
         """In a recompute: this layer's input back (if not there yet), and the inputs of the
         ``prefetch`` layers before it copied in ahead."""
-        if not in_backward():
+        if not in_backward():  # a forward: the inputs of the layers before go out now
+            for entry in self._waiting:
+                self._send(entry)
+            self._waiting.clear()
             return
         i = self._index_of[id(module)]
         x = _hidden_states(args, kwargs)
@@ -141,6 +159,7 @@ class ActivationStream:
         and the inputs of the ``prefetch`` layers before it copied in ahead. Reached from the
         recompute's forward pre-hook (``mine`` found by the storage the recompute's input shares) or
         from the gradient of the layer's output; whichever comes first does it."""
+        self._waiting.clear()  # backward began: what was not sent stays on the device
         entries = self._pending.get(i, [])
         entries[:] = [e for e in entries if e is not mine and e.tensor() is not None]  # (and forwards without backward)
         for j in range(i - 1, max(-1, i - 1 - self.prefetch), -1):
@@ -149,6 +168,9 @@ class ActivationStream:
                 self._bring(ahead[-1])
         x = mine.tensor() if mine is not None else None
         if x is None or mine.used:
+            return
+        if mine.host is None:  # never sent
+            mine.used = True
             return
         self._bring(mine)
         if mine.copied is not None:
@@ -198,7 +220,7 @@ class ActivationStream:
     def host_bytes(self) -> int:
         """Bytes of layer inputs in host memory now."""
         return sum(e.nbytes for entries in self._pending.values() for e in entries
-                   if not e.resident and e.tensor() is not None)
+                   if e.host is not None and not e.resident and e.tensor() is not None)
 
     def pooled_bytes(self) -> int:
         """Bytes of the host buffers held (in use or pooled)."""
@@ -209,7 +231,7 @@ class ActivationStream:
         for entries in self._pending.values():
             for e in entries:
                 x = e.tensor()
-                if x is not None and not e.used:
+                if x is not None and not e.used and e.host is not None:
                     self._bring(e)
                     if e.copied is not None:
                         x.record_stream(torch.cuda.current_stream(x.device))  # autograd frees it there
@@ -218,6 +240,7 @@ class ActivationStream:
         if self._streams is not None:
             torch.cuda.synchronize()
         self._pending.clear()
+        self._waiting.clear()
         for h in self._handles:
             h.remove()
         self._handles = []

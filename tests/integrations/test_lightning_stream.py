@@ -81,3 +81,14 @@ def test_stream_weights_is_a_bool_and_turns_release_on():
     cb = OptStateCallback("8bit", stream_weights=True)  # release follows
     trainer(callbacks=[cb], max_epochs=1).fit(model, loader())
     assert cb.optimizers[0].release_gradients and cb.stream is not None
+
+
+def test_offload_activations_as_a_wrap_option_of_the_callback_fits_as_resident():
+    """``OptStateCallback(..., stream_weights=True, offload_activations=True)``: the stream the callback
+    starts moves the first block's checkpointed input (the last two keep theirs) each step; the same fit."""
+    ref, _ = _fit(False)
+    model, cb = _fit(True, offload_activations=True)
+    acts = cb.stream.activations
+    assert acts is not None and acts.d2h_bytes == acts.h2d_bytes > 0 and acts.host_bytes() == 0
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
