@@ -84,3 +84,43 @@ def test_streamed_training_equals_resident_on_the_gpu(preset):
     # that stay over the turn; out: each layer once a step, after its update
     assert got["h2d"] == DEPTH * layer + (2 * steps - 1) * (DEPTH - 2) * layer
     assert got["d2h"] == steps * got["host"]
+
+
+def test_a_checkpoint_directory_loads_onto_the_gpu_one_layer_at_a_time(tmp_path):
+    """apps.llama.load_streamed(path, "cuda"): the layers' weights land in pinned host memory (none on
+    the GPU), the rest on the GPU, and the values are from_pretrained's; a streamed bf16 run from it
+    equals the same run from_pretrained resident, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from optstate_core.apps.llama import enable_checkpointing, load_streamed
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="1MB")
+    whole = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
+    enable_checkpointing(whole)
+    streamed = load_streamed(str(tmp_path), "cuda", torch.bfloat16)
+    assert all(p.is_cuda and p.untyped_storage().nbytes() == 0 for p in streamed.model.layers.parameters())
+    assert streamed.lm_head.weight.is_cuda and streamed.lm_head.weight.untyped_storage().nbytes()
+    sd, whole_sd = streamed.state_dict(), whole.state_dict()
+    assert sd.keys() == whole_sd.keys() and all(torch.equal(sd[k].cpu(), whole_sd[k].cpu()) for k in sd)
+    with torch.no_grad():  # the rotary frequencies: computed on the GPU here, on the CPU by from_pretrained
+        for (name, mine), (_, theirs) in zip(streamed.named_buffers(), whole.named_buffers()):
+            mine.copy_(theirs)
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
+    runs = []
+    for model in (whole, streamed):
+        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16w-4bit-lean", release_gradients=True)
+        if model is streamed:
+            stream = oc.stream_weights(model, opt)
+            assert all(h.is_pinned() for layer in stream.layers for h in layer.host) and stream.d2h_bytes == 0
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
