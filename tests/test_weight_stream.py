@@ -236,6 +236,8 @@ def test_weights_offloaded_before_the_optimizer_exists_are_streamed_from_there()
     moved = oc.offload_weights(model)
     assert moved == sum(p.numel() * p.element_size() for p in model.layers.parameters())
     assert all(p.untyped_storage().nbytes() == 0 for p in model.layers.parameters())
+    before = model.state_dict()  # the host copies stand in for the freed weights
+    assert all(torch.equal(before[k], v) for k, v in build().state_dict().items())
     model.to("cpu")  # a framework's move: nothing to move
     opt = wrapped(model, "8bit")
     stream = oc.stream_weights(model, opt)

@@ -69,6 +69,9 @@ def offload_weights(model: nn.Module, layers: Optional[Sequence[nn.Module]] = No
     move is then a no-op). Returns the bytes moved."""
     moved = 0
     for module in (decoder_layers(model) if layers is None else layers):
+        if not getattr(module, "_optstate_offloaded_state_dict", False):  # its state_dict reads the host copies
+            module._register_state_dict_hook(_offloaded_state_dict)
+            module._optstate_offloaded_state_dict = True
         for p in module.parameters():
             if _OFFLOADED.get(id(p), (lambda: None,))[0]() is p or p.device.type == "meta":
                 continue
@@ -78,6 +81,15 @@ def offload_weights(model: nn.Module, layers: Optional[Sequence[nn.Module]] = No
             _OFFLOADED[id(p)] = (weakref.ref(p, lambda _, key=id(p): _OFFLOADED.pop(key, None)), host)
             moved += host.numel() * host.element_size()
     return moved
+
+
+def _offloaded_state_dict(module, state_dict, prefix, local_metadata):
+    """A state-dict hook: the host copy of each parameter offload_weights() moved (until a stream takes it over)."""
+    for name, p in module.named_parameters():
+        entry = _OFFLOADED.get(id(p))
+        if entry is not None and entry[0]() is p and prefix + name in state_dict:
+            state_dict[prefix + name] = entry[1]
+    return state_dict
 
 
 class _Layer:

@@ -102,6 +102,10 @@ def test_a_checkpoint_directory_loads_onto_the_gpu_one_layer_at_a_time(tmp_path)
     streamed = load_streamed(str(tmp_path), "cuda", torch.bfloat16)
     assert all(p.is_cuda and p.untyped_storage().nbytes() == 0 for p in streamed.model.layers.parameters())
     assert streamed.lm_head.weight.is_cuda and streamed.lm_head.weight.untyped_storage().nbytes()
+    opts = {m: oc.wrap(torch.optim.AdamW(m.parameters(), lr=1e-3), "bf16w-4bit-lean", release_gradients=True)
+            for m in (whole, streamed)}
+    stream = oc.stream_weights(streamed, opts[streamed])  # (its state_dict hook reads the host copies)
+    assert all(h.is_pinned() for layer in stream.layers for h in layer.host) and stream.d2h_bytes == 0
     sd, whole_sd = streamed.state_dict(), whole.state_dict()
     assert sd.keys() == whole_sd.keys() and all(torch.equal(sd[k].cpu(), whole_sd[k].cpu()) for k in sd)
     with torch.no_grad():  # the rotary frequencies: computed on the GPU here, on the CPU by from_pretrained
@@ -110,11 +114,7 @@ def test_a_checkpoint_directory_loads_onto_the_gpu_one_layer_at_a_time(tmp_path)
     ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
     runs = []
     for model in (whole, streamed):
-        opt = oc.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16w-4bit-lean", release_gradients=True)
-        if model is streamed:
-            stream = oc.stream_weights(model, opt)
-            assert all(h.is_pinned() for layer in stream.layers for h in layer.host) and stream.d2h_bytes == 0
-        losses = []
+        opt, losses = opts[model], []
         for _ in range(3):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
