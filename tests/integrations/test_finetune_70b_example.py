@@ -58,6 +58,13 @@ def test_hf_trainer_trains_as_the_plain_loop(tmp_path, plain):
     # which puts the norms after the matrices, and the 4-bit variance's stochastic rounding is keyed
     # by each parameter's index, so from the second update on the roundings differ. (The plain loop
     # with the Trainer's groups gives the Trainer's third loss bit for bit.)
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # transformers 4.x's Trainer divides the loss by the labels it counts before the shift (32 a
+        # row, not the 31 the model's own mean uses; its log rounds to 4 digits): the same first
+        # forward, another loss scale from there on
+        assert row["losses"][0] == pytest.approx(plain["losses"][0] * 31 / 32, abs=1e-4)
+        return
     assert row["losses"][:2] == plain["losses"][:2]
     assert row["losses"][2] == pytest.approx(plain["losses"][2], rel=1e-4)
 
