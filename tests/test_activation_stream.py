@@ -75,6 +75,10 @@ def test_nothing_moves_without_checkpointing_or_without_gradients():
     with torch.no_grad():
         model(ids)
     assert acts.d2h_bytes == 0  # no recompute will come
+    model.embed.register_forward_hook(lambda m, a, out: out.requires_grad_())  # as HF's enable_input_require_grads
+    with torch.no_grad():
+        model(ids)
+    assert acts.d2h_bytes == 0  # inputs that require gradients, but a forward without them
 
 
 def test_a_layer_whose_output_is_its_input_keeps_it():
@@ -196,3 +200,20 @@ def test_an_input_the_caller_reads_after_the_layer_goes_out_only_when_the_next_l
     (y_ref, gx_ref, g_ref), (y, gx, g) = runs
     assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref) and all(torch.equal(a, b) for a, b in zip(g, g_ref))
     assert acts.d2h_bytes == acts.h2d_bytes == (DEPTH - 2) * x0.numel() * 4
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_a_training_forward_that_returns_the_hidden_states_is_refused_before_it_runs(how):
+    from optstate_core.apps.llama import NAMED_SHAPES, build_model
+    model = build_model(NAMED_SHAPES["tiny"], "cpu", torch.float32, checkpointing=True, seed=3)
+    acts = oc.offload_activations(model, prefetch=0)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    kwargs = {"output_hidden_states": True} if how == "argument" else {}
+    if how == "config":
+        model.config.output_hidden_states = True
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        model(input_ids=ids, labels=ids, **kwargs)
+    assert acts.d2h_bytes == 0
+    with torch.no_grad():  # no backward to come: nothing is offloaded, the hidden states are whole
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert all(h.untyped_storage().nbytes() for h in out.hidden_states) and acts.d2h_bytes == 0

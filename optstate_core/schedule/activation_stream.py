@@ -21,8 +21,10 @@ The bytes are copied through a tensor of their own over the same storage, so aut
 counters do not move: the recompute and backward see the tensors they saved. A forward is
 offloaded only where the input is kept for a recompute: inside reentrant checkpointing (gradients
 off while the input requires them) or non-reentrant checkpointing. An input whose storage the
-layer's output shares is left alone. Code that keeps the layer inputs itself (``output_hidden_states``)
-reads empty storage until backward: do not combine the two.
+layer's output shares is left alone. Code that keeps the layer inputs itself would read empty
+storage until backward: a training forward of the model with ``output_hidden_states=True`` (its
+argument or its config) is refused with a ``ValueError``; other such code must not be combined
+with the offload.
 """
 from __future__ import annotations
 
@@ -53,15 +55,16 @@ def _hidden_states(args, kwargs) -> Optional[torch.Tensor]:
     return x if isinstance(x, torch.Tensor) else None
 
 
-def _kept_for_recompute(module: nn.Module, x: torch.Tensor) -> bool:
+def _kept_for_recompute(module: nn.Module, x: torch.Tensor, outer_grad: bool) -> bool:
     """Whether this forward of ``module`` runs inside activation checkpointing and keeps ``x`` for
-    the recompute (reentrant: gradients off while the input needs them; non-reentrant: its
-    saved-tensor hook; or the layer checkpoints its own forward)."""
+    the recompute (non-reentrant: its saved-tensor hook; the layer checkpoints its own forward; or
+    reentrant: gradients off inside a model forward that has them on, ``outer_grad``, while the
+    input needs them)."""
     if in_backward():
         return False
     if torch.is_grad_enabled():
         return under_checkpoint() or checkpoints_itself(module)
-    return x.requires_grad
+    return outer_grad and x.requires_grad
 
 
 class _Offloaded:
@@ -80,7 +83,7 @@ class ActivationStream:
     """Moves the checkpointed inputs of ``layers`` to host memory after their forward and back
     before their recompute (see the module doc)."""
 
-    def __init__(self, layers: Sequence[nn.Module], prefetch: int = 1):
+    def __init__(self, layers: Sequence[nn.Module], prefetch: int = 1, model: Optional[nn.Module] = None):
         self.layers, self.prefetch = list(layers), prefetch
         self._index_of = {id(m): i for i, m in enumerate(self.layers)}
         self._pending: Dict[int, List[_Offloaded]] = {}  # layer index -> its inputs kept, latest last
@@ -89,15 +92,25 @@ class ActivationStream:
         self._streams = None  # CUDA: (out, in)
         self.d2h_bytes = self.h2d_bytes = 0
         self._handles = []
+        self._outer_grad = True  # the model's forward runs with gradients (without the model: assumed)
         for module in self.layers:
             self._handles += [module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                               module.register_forward_hook(self._after_forward, with_kwargs=True)]
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._model_starts, with_kwargs=True))
 
     # -- forward: out ------------------------------------------------------------------------------
+    def _model_starts(self, model, args, kwargs) -> None:
+        """The model's forward: whether it has gradients (a no-grad forward, as generation or
+        evaluation, keeps nothing for a recompute, whatever its inputs require), and no hidden states out."""
+        if not in_backward():
+            self._outer_grad = torch.is_grad_enabled()
+            _refuse_hidden_states(model, kwargs)
+
     def _after_forward(self, module, args, kwargs, output) -> None:
         i = self._index_of[id(module)]
         x = _hidden_states(args, kwargs)
-        if x is None or i >= len(self.layers) - 1 - self.prefetch or not _kept_for_recompute(module, x):
+        if x is None or i >= len(self.layers) - 1 - self.prefetch or not _kept_for_recompute(module, x, self._outer_grad):
             return
         storage = x.untyped_storage()
         outs = output if isinstance(output, (tuple, list)) else (output,)
@@ -246,6 +259,18 @@ class ActivationStream:
         self._handles = []
 
 
+def _refuse_hidden_states(model, kwargs) -> None:
+    """A training forward that returns every layer's hidden states would hand out the inputs this
+    offload frees until backward: refused before anything runs."""
+    asked = kwargs.get("output_hidden_states")
+    if asked is None:
+        asked = getattr(getattr(model, "config", None), "output_hidden_states", False)
+    if asked and model.training and torch.is_grad_enabled():
+        raise ValueError("output_hidden_states=True: with offload_activations the layer inputs (the hidden states) "
+                         "live in host memory between forward and backward; ask for them in an eval or no-grad "
+                         "forward, or close() the offload")
+
+
 def _on_cuda(module: nn.Module) -> bool:
     p = next(module.parameters(), None)
     return p is not None and p.is_cuda
@@ -261,6 +286,6 @@ def offload_activations(model: nn.Module, layers: Optional[Sequence[nn.Module]] 
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise ValueError(f"offload_activations: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
-    stream = ActivationStream(layers, prefetch)
+    stream = ActivationStream(layers, prefetch, model)
     log.info("optstate: offloading the checkpointed inputs of %d layers to host memory", len(layers))
     return stream

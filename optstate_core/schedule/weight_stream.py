@@ -363,7 +363,7 @@ def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequ
         raise ValueError(f"stream_weights: offload_activations must be True or False, got {offload_activations!r}")
     stream = release.stream = WeightStream(layers, release, boundary, prefetch)
     if offload_activations:  # the layer inputs checkpointing keeps, through the same layers' hooks
-        stream.activations = ActivationStream(layers, prefetch)
+        stream.activations = ActivationStream(layers, prefetch, model)
     log.info("optstate: streaming the weights of %d layers (%.2f GiB in host memory)", len(layers),
              stream.host_bytes() / 2**30)
     return stream
