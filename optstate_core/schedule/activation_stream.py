@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .layer_visits import checkpoints_itself, decoder_layers, first_grad_output, in_backward, under_checkpoint
+from .layer_visits import (checked_layers, checkpoints_itself, first_grad_output, in_backward, stays_over_the_turn,
+                           under_checkpoint)
 
 log = logging.getLogger("optstate")
 
@@ -110,7 +111,8 @@ class ActivationStream:
     def _after_forward(self, module, args, kwargs, output) -> None:
         i = self._index_of[id(module)]
         x = _hidden_states(args, kwargs)
-        if x is None or i >= len(self.layers) - 1 - self.prefetch or not _kept_for_recompute(module, x, self._outer_grad):
+        if (x is None or stays_over_the_turn(i, len(self.layers), self.prefetch)
+                or not _kept_for_recompute(module, x, self._outer_grad)):
             return
         storage = x.untyped_storage()
         outs = output if isinstance(output, (tuple, list)) else (output,)
@@ -179,19 +181,23 @@ class ActivationStream:
             ahead = self._pending.get(j)
             if ahead:
                 self._bring(ahead[-1])
-        x = mine.tensor() if mine is not None else None
-        if x is None or mine.used:
+        if mine is not None:
+            self._hand_back(mine)
+
+    def _hand_back(self, entry: _Offloaded) -> None:
+        """The input back on the device where the compute stream reads it (once), its host buffer to the pool."""
+        x = entry.tensor()
+        if x is None or entry.used:
             return
-        if mine.host is None:  # never sent
-            mine.used = True
+        entry.used = True
+        if entry.host is None:  # never sent
             return
-        self._bring(mine)
-        if mine.copied is not None:
+        self._bring(entry)
+        if entry.copied is not None:
             compute = torch.cuda.current_stream(x.device)
-            compute.wait_event(mine.copied)
+            compute.wait_event(entry.copied)
             x.record_stream(compute)  # autograd frees it on the compute stream
-        mine.used = True
-        self._recycle(mine)
+        self._recycle(entry)
 
     def _bring(self, entry: _Offloaded) -> None:
         x = entry.tensor()
@@ -243,13 +249,7 @@ class ActivationStream:
         """Bring every input still out back and remove the hooks."""
         for entries in self._pending.values():
             for e in entries:
-                x = e.tensor()
-                if x is not None and not e.used and e.host is not None:
-                    self._bring(e)
-                    if e.copied is not None:
-                        x.record_stream(torch.cuda.current_stream(x.device))  # autograd frees it there
-                    e.used = True
-                    self._recycle(e)
+                self._hand_back(e)
         if self._streams is not None:
             torch.cuda.synchronize()
         self._pending.clear()
@@ -280,12 +280,7 @@ def offload_activations(model: nn.Module, layers: Optional[Sequence[nn.Module]] 
                         prefetch: int = 1) -> ActivationStream:
     """Keep the inputs that activation checkpointing saves for ``model``'s decoder layers (or
     ``layers``) in host memory between forward and recompute (see :mod:`.activation_stream`)."""
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"offload_activations: prefetch must be an int >= 0 (layer inputs copied in ahead), got {prefetch!r}")
-    layers = decoder_layers(model) if layers is None else list(layers)
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            raise ValueError(f"offload_activations: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+    layers = checked_layers("offload_activations", model, layers, prefetch)
     stream = ActivationStream(layers, prefetch, model)
     log.info("optstate: offloading the checkpointed inputs of %d layers to host memory", len(layers))
     return stream

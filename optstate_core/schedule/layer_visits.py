@@ -2,7 +2,7 @@
 or its recompute, and which modules are the layers (for weight streaming and activation offload)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,3 +43,21 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
         raise ValueError("stream_weights: the model has no nn.ModuleList of layers; pass layers=[...]")
     best = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
     return list(best)
+
+
+def checked_layers(caller: str, model: nn.Module, layers: Optional[Sequence[nn.Module]], prefetch) -> List[nn.Module]:
+    """``layers`` (default the model's decoder layers) and ``prefetch`` checked for ``caller``: a
+    ValueError naming the argument for a bad one."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{caller}: prefetch must be an int >= 0 (layers copied in ahead), got {prefetch!r}")
+    layers = decoder_layers(model) if layers is None else list(layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ValueError(f"{caller}: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+    return layers
+
+
+def stays_over_the_turn(i: int, count: int, prefetch: int) -> bool:
+    """Whether layer ``i`` of ``count`` is among the last ``prefetch + 1`` of a forward, whose
+    recompute and backward come first: what they hold stays on the device across the turn."""
+    return i >= count - 1 - prefetch

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from .activation_stream import ActivationStream
-from .layer_visits import checkpoints_itself, decoder_layers, first_grad_output, in_backward, under_checkpoint
+from .layer_visits import (checked_layers, checkpoints_itself, decoder_layers, first_grad_output, in_backward,
+                           stays_over_the_turn, under_checkpoint)
 
 log = logging.getLogger("optstate")
 
@@ -50,6 +51,10 @@ log = logging.getLogger("optstate")
 #: existed; :class:`WeightStream` takes them over
 #: (keyed by id: a tensor key would be compared by value) -> (a weak reference to it, its host copy)
 _OFFLOADED: Dict[int, tuple] = {}
+
+
+#: the layers offload_weights() gave a state-dict hook that reads those host copies (once each)
+_READS_HOST_COPIES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _take_offloaded(p) -> Optional[torch.Tensor]:
@@ -69,9 +74,9 @@ def offload_weights(model: nn.Module, layers: Optional[Sequence[nn.Module]] = No
     move is then a no-op). Returns the bytes moved."""
     moved = 0
     for module in (decoder_layers(model) if layers is None else layers):
-        if not getattr(module, "_optstate_offloaded_state_dict", False):  # its state_dict reads the host copies
+        if module not in _READS_HOST_COPIES:  # its state_dict reads the host copies
             module._register_state_dict_hook(_offloaded_state_dict)
-            module._optstate_offloaded_state_dict = True
+            _READS_HOST_COPIES.add(module)
         for p in module.parameters():
             if _OFFLOADED.get(id(p), (lambda: None,))[0]() is p or p.device.type == "meta":
                 continue
@@ -214,7 +219,7 @@ class WeightStream:
             self._bring(each)
         layer.ready()
         saves = torch.is_grad_enabled() and not under_checkpoint() and not checkpoints_itself(module)
-        turn = module.training and i >= len(self.layers) - 1 - self.prefetch
+        turn = module.training and stays_over_the_turn(i, len(self.layers), self.prefetch)
         if saves or turn:
             # a forward that saves these weights for backward, or a training forward's turn to
             # backward is near: they stay until their update, or until their gradients are in
@@ -348,12 +353,8 @@ def start(model: nn.Module, release, boundary, owned: set, layers: Optional[Sequ
     if release.stream is not None and not release.stream.closed:
         raise RuntimeError("stream_weights: this optimizer streams its model's weights already (opt.weight_stream); "
                            "close() that stream first")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"stream_weights: prefetch must be an int >= 0 (layers copied in ahead), got {prefetch!r}")
-    layers = decoder_layers(model) if layers is None else list(layers)
+    layers = checked_layers("stream_weights", model, layers, prefetch)
     for i, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            raise ValueError(f"stream_weights: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
         for name, p in layer.named_parameters():
             if p.device.type == "meta":
                 raise ValueError(f"stream_weights: layers[{i}].{name} is on the meta device; materialise it first")
